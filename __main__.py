@@ -1,0 +1,5 @@
+"""`python -m flare` is the `flare` command."""
+
+from flare.cli import main
+
+main()

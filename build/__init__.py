@@ -1,0 +1,1 @@
+"""Build: sources, recipes' weight layout, the phase pipeline, its journal, ranks."""

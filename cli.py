@@ -1,0 +1,291 @@
+"""The `flare` command: argument parsing and printing only, one typer sub-app per component."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.filesize import decimal
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from flare.config import load_config
+from flare.store import BlobStore, Digest
+from flare.store.errors import FlareError, IntegrityError, NotFoundError, from_os_error
+from flare.store.hashing import Progress as Advance
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+_state = {"debug": bool(os.environ.get("FLARE_DEBUG"))}
+
+app = typer.Typer(
+    help="flare: reproducible, signed runtime packages for LLM checkpoints.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+store_app = typer.Typer(help="The content-addressed blob store.", no_args_is_help=True)
+config_app = typer.Typer(help="The effective configuration.", no_args_is_help=True)
+app.add_typer(store_app, name="store")
+app.add_typer(config_app, name="config")
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+StoreOption = Annotated[
+    str | None,
+    typer.Option("--store", help="Store location (path or URL). Default: the registry's."),
+]
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+) -> None:
+    """Options for every command."""
+    _state["debug"] = _state["debug"] or debug
+
+
+# -- output helpers ---------------------------------------------------------------------------
+
+
+def print_json(data: Any) -> None:
+    """JSON on stdout, for scripts."""
+    out.out(json.dumps(data, indent=2, sort_keys=True, default=str), highlight=False)
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A table for people."""
+    table = Table(title=title, title_justify="left", box=None, pad_edge=False)
+    for column in columns:
+        table.add_column(column, no_wrap=column == "digest", overflow="fold")
+    for row in rows:
+        table.add_row(*(str(cell) for cell in row))
+    out.print(table)
+
+
+@contextmanager
+def progress_bar(description: str, total: int) -> Iterator[Advance]:
+    """A bytes progress bar on stderr (rate, time left); yields the advance callback."""
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def open_store(location: str | None) -> BlobStore:
+    """The store a command acts on: --store, else the configured registry's."""
+    config = load_config()
+    return BlobStore(location or config.registry, config.store_encoding, config.zstd_level)
+
+
+def input_bytes(paths: Sequence[Path]) -> int:
+    """Total size of the files under the given paths, for a progress bar's total."""
+    total = 0
+    for path in paths:
+        if path.is_dir():
+            total += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        elif path.exists():
+            total += path.stat().st_size
+    return total
+
+
+# -- flare store ------------------------------------------------------------------------------
+
+
+@store_app.command("put")
+def store_put(
+    paths: Annotated[list[Path], typer.Argument(help="Files or folders to store.")],
+    no_link: Annotated[
+        bool, typer.Option("--no-link", help="Copy even where linking works.")
+    ] = False,
+    store: StoreOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Store files (folders recursively); linked where the filesystem allows, always hashed."""
+    blobs = open_store(store)
+    rows = []
+    with progress_bar("put", input_bytes(paths)) as advance:
+        for path in paths:
+            if path.is_dir():
+                results = blobs.put_tree(path, link=not no_link, progress=advance)
+                rows += [(str(path / rel), r) for rel, r in results.items()]
+            else:
+                rows.append((str(path), blobs.put_file(path, link=not no_link, progress=advance)))
+    if as_json:
+        print_json([{"path": p, **_put_fields(r)} for p, r in rows])
+        return
+    print_table(
+        f"stored in {blobs.location}",
+        ("digest", "size", "method", "path"),
+        [(r.digest.short(16), decimal(r.size), r.method, p) for p, r in rows],
+    )
+
+
+def _put_fields(result: Any) -> dict[str, Any]:
+    return {"digest": str(result.digest), "size": result.size, "method": result.method}
+
+
+@store_app.command("get")
+def store_get(
+    digest: Annotated[str, typer.Argument(help="Digest or unique prefix (8+ hex digits).")],
+    dest: Annotated[Path, typer.Argument(help="File to write (or a folder to write into).")],
+    store: StoreOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Write a blob's content to a file, verified against its digest."""
+    blobs = open_store(store)
+    resolved = blobs.resolve(digest)
+    info = blobs.require(resolved)
+    with progress_bar("get", blobs.plain_size(info)) as advance:
+        size = blobs.get(resolved, dest, progress=advance)
+    if as_json:
+        print_json({"digest": str(resolved), "dest": str(dest), "size": size})
+    else:
+        out.print(f"wrote {dest} ({decimal(size)}, verified {resolved.short()})")
+
+
+@store_app.command("ls")
+def store_ls(store: StoreOption = None, as_json: JsonOption = False) -> None:
+    """List the blobs in the store."""
+    blobs = open_store(store)
+    infos = sorted(blobs.iter_blobs(), key=lambda i: i.digest)
+    if as_json:
+        print_json([{**asdict(i), "digest": str(i.digest)} for i in infos])
+        return
+    print_table(
+        f"{len(infos)} blobs in {blobs.location}",
+        ("digest", "encoding", "stored"),
+        [(i.digest, i.encoding, decimal(i.stored_size)) for i in infos],
+    )
+
+
+@store_app.command("du")
+def store_du(store: StoreOption = None, as_json: JsonOption = False) -> None:
+    """Show what the store holds and the free space beside it."""
+    blobs = open_store(store)
+    usage = blobs.usage()
+    if as_json:
+        print_json({"location": blobs.location, **asdict(usage)})
+        return
+    free = "unknown" if usage.free_bytes is None else decimal(usage.free_bytes)
+    print_table(
+        f"usage of {blobs.location}",
+        ("blobs", "stored", "temp", "quarantine", "free"),
+        [
+            (
+                usage.blobs,
+                decimal(usage.stored_bytes),
+                decimal(usage.temp_bytes),
+                decimal(usage.quarantine_bytes),
+                free,
+            )
+        ],
+    )
+
+
+@store_app.command("verify")
+def store_verify(
+    digests: Annotated[
+        list[str] | None, typer.Argument(help="Digests to check (default: every blob).")
+    ] = None,
+    workers: Annotated[int | None, typer.Option(help="Blobs hashed at once.")] = None,
+    store: StoreOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Re-hash blobs in parallel; quarantine corrupt ones. Exit 6 if corrupt, 3 if missing."""
+    blobs = open_store(store)
+    wanted = [Digest.parse(d) for d in digests] if digests else None
+    infos = [blobs.locate(d) for d in wanted] if wanted else list(blobs.iter_blobs())
+    total = sum(i.stored_size for i in infos if i)
+    with progress_bar("verify", total) as advance:
+        report = blobs.verify(wanted, workers=workers, progress=advance)
+    if as_json:
+        print_json({**asdict(report), "ok": report.ok})
+    else:
+        _print_verify(report)
+    if report.corrupt:
+        raise typer.Exit(IntegrityError.exit_code)
+    if report.missing:
+        raise typer.Exit(NotFoundError.exit_code)
+
+
+def _print_verify(report: Any) -> None:
+    out.print(f"checked {report.checked} blobs ({decimal(report.checked_bytes)})")
+    for digest, moved in zip(report.corrupt, report.quarantined, strict=True):
+        out.print(f"corrupt: {digest} (moved to {moved})")
+    for digest in report.missing:
+        out.print(f"missing: {digest}")
+    for key in report.stray:
+        out.print(f"not a blob name (left in place): {key}")
+    out.print("ok" if report.ok else "FAILED")
+
+
+# -- flare config -----------------------------------------------------------------------------
+
+
+@config_app.command("show")
+def config_show(as_json: JsonOption = False) -> None:
+    """Print every effective setting and where it came from."""
+    config = load_config()
+    rows = [(key, _show(v.value), v.source) for key, v in config.values.items()]
+    if as_json:
+        print_json(
+            {
+                "file": str(config.file),
+                "home": str(config.home),
+                "settings": {k: {"value": v, "source": s} for k, v, s in rows},
+            }
+        )
+        return
+    out.print(f"config file: {config.file}{'' if config.file.exists() else ' (absent)'}")
+    print_table("", ("setting", "value", "source"), rows)
+
+
+def _show(value: Any) -> Any:
+    return str(value) if isinstance(value, Path) else value
+
+
+# -- entry point ------------------------------------------------------------------------------
+
+
+def main() -> None:
+    """Run the CLI; user errors become one line on stderr and a meaningful exit code."""
+    try:
+        app()
+    except FlareError as exc:
+        _fail(str(exc), exc.exit_code)
+    except OSError as exc:
+        error = from_os_error(exc, "access", exc.filename or "a file")
+        _fail(str(error), error.exit_code)
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    except Exception as exc:  # a bug: say so, and how to see more
+        _fail(f"internal error: {type(exc).__name__}: {exc} (run with --debug for details)", 1)
+
+
+def _fail(message: str, code: int) -> None:
+    if _state["debug"]:
+        traceback.print_exc()
+    err.print(f"error: {message}", markup=False)
+    sys.exit(code)

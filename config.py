@@ -1,0 +1,215 @@
+"""flare's one config file, `~/.config/flare/config.toml`, with every value overridable by
+an environment variable. With no config at all, everything lives under one local folder
+(`FLARE_HOME`, default `~/.local/share/flare`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flare.store.encoding import Encoding, check_zstd_level
+from flare.store.errors import InvalidInputError, NotFoundError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from `4G`, `512MiB`, `1.5T` or a plain number (units are powers of 1024)."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512M, 4G, 4GiB)")
+    number, unit, _ = match.groups()
+    return int(float(number) * 1024 ** _UNITS[unit.lower()])
+
+
+def _location(text: str | Path) -> str:
+    """A path (made absolute) or a URL (kept as written)."""
+    text = str(text)
+    return text if "://" in text else str(Path(text).expanduser().absolute())
+
+
+def _path(text: str | Path) -> Path:
+    return Path(text).expanduser().absolute()
+
+
+def _level(text: str | int) -> int:
+    return check_zstd_level(int(text))
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configurable value: its key in the file, its variable, how to read it."""
+
+    key: str
+    env: str
+    parse: Callable[[Any], Any]
+    default: Callable[[Path], Any]
+    help: str
+
+
+def _hub_cache_default(_home: Path) -> str:
+    """The Hugging Face cache, where checkpoints already are (it is read, never written)."""
+    if cache := os.environ.get("HF_HUB_CACHE"):
+        return cache
+    hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
+    return f"{hf_home}/hub"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "paths.hub_cache",
+        "FLARE_HUB_CACHE",
+        _path,
+        _hub_cache_default,
+        "Hugging Face hub cache that ORG/NAME sources resolve in",
+    ),
+    Setting(
+        "paths.kernel_cache",
+        "FLARE_KERNEL_CACHE",
+        _path,
+        lambda h: h / "kernels",
+        "compiled kernels and tuning records (keep it on a local disk)",
+    ),
+    Setting(
+        "paths.package_cache",
+        "FLARE_PACKAGE_CACHE",
+        _path,
+        lambda h: h / "packages",
+        "this host's cache of pulled packages",
+    ),
+    Setting(
+        "paths.export_staging",
+        "FLARE_EXPORT_STAGING",
+        _path,
+        lambda h: h / "staging",
+        "build staging area and journals",
+    ),
+    Setting(
+        "paths.registry",
+        "FLARE_REGISTRY",
+        _location,
+        lambda h: h / "registry",
+        "the registry: a folder, a NAS mount or an fsspec URL",
+    ),
+    Setting(
+        "memory.reserve",
+        "FLARE_MEMORY_RESERVE",
+        parse_size,
+        lambda _h: "4G",
+        "device memory left free when serving",
+    ),
+    Setting(
+        "store.encoding",
+        "FLARE_STORE_ENCODING",
+        Encoding.from_name,
+        lambda _h: "plain",
+        "how new blobs are kept: plain or zstd",
+    ),
+    Setting(
+        "store.zstd_level",
+        "FLARE_STORE_ZSTD_LEVEL",
+        _level,
+        lambda _h: 3,
+        "zstd level for new blobs when encoding is zstd",
+    ),
+)
+_BY_KEY = {s.key: s for s in SETTINGS}
+
+
+@dataclass(frozen=True)
+class Value:
+    """An effective setting and where it came from."""
+
+    value: Any
+    source: str
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every effective setting, each with its source."""
+
+    file: Path
+    home: Path
+    values: Mapping[str, Value]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key].value
+
+    @property
+    def registry(self) -> str:
+        return self["paths.registry"]
+
+    @property
+    def store_encoding(self) -> Encoding:
+        return self["store.encoding"]
+
+    @property
+    def zstd_level(self) -> int:
+        return self["store.zstd_level"]
+
+
+def config_file(env: Mapping[str, str]) -> Path:
+    """FLARE_CONFIG, else config.toml under XDG_CONFIG_HOME (default ~/.config)/flare."""
+    if explicit := env.get("FLARE_CONFIG"):
+        return Path(explicit).expanduser()
+    base = env.get("XDG_CONFIG_HOME") or "~/.config"
+    return Path(base).expanduser() / "flare" / "config.toml"
+
+
+def read_file(path: Path, required: bool) -> dict[str, Any]:
+    """The file's settings flattened to `section.key`; unknown keys are refused."""
+    if not path.exists():
+        if required:
+            raise NotFoundError(f"FLARE_CONFIG names {path}, which does not exist", "fix the path")
+        return {}
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"{path} is not valid TOML: {exc}", "fix the file") from exc
+    flat = {}
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise InvalidInputError(f"{path}: {section} must be a [table]", "see docs/config.md")
+        flat.update({f"{section}.{key}": value for key, value in table.items()})
+    unknown = sorted(set(flat) - set(_BY_KEY))
+    if unknown:
+        raise InvalidInputError(
+            f"{path}: unknown setting {', '.join(unknown)}", f"known: {', '.join(_BY_KEY)}"
+        )
+    return flat
+
+
+def _parse(setting: Setting, raw: Any, source: str) -> Value:
+    try:
+        return Value(setting.parse(raw), source)
+    except (ValueError, TypeError, InvalidInputError) as exc:
+        raise InvalidInputError(f"bad value {raw!r} for {setting.key} in {source}: {exc}") from exc
+
+
+def load_config(env: Mapping[str, str] | None = None) -> Config:
+    """The effective config: environment over config file over defaults."""
+    env = os.environ if env is None else env
+    path = config_file(env)
+    from_file = read_file(path, required="FLARE_CONFIG" in env)
+    home = Path(env.get("FLARE_HOME") or "~/.local/share/flare").expanduser().absolute()
+    values = {}
+    for setting in SETTINGS:
+        if setting.env in env:
+            values[setting.key] = _parse(setting, env[setting.env], f"env {setting.env}")
+        elif setting.key in from_file:
+            raw = from_file[setting.key]
+            if setting.parse in (_path, _location) and "://" not in str(raw):
+                raw = str(path.parent / Path(str(raw)).expanduser())
+            values[setting.key] = _parse(setting, raw, f"file {path}")
+        else:
+            source = "default (FLARE_HOME)" if "FLARE_HOME" in env else "default"
+            values[setting.key] = _parse(setting, setting.default(home), source)
+    return Config(file=path, home=home, values=values)

@@ -1,0 +1,1 @@
+"""Alembic revisions of the registry's index DB."""

@@ -1,0 +1,1 @@
+"""Registry: the index DB, refs (names, tags, pins), gc, verify, copies between stores."""

@@ -1,0 +1,1 @@
+"""Sign: publisher keys, signing, verification, trust policy."""

@@ -1,0 +1,81 @@
+"""The interface a blob store needs from the place its files live."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+TMP_DIR = "tmp"
+
+
+@dataclass
+class TempFile:
+    """A file being written inside the store, invisible under any blob name until committed."""
+
+    key: str
+    file: BinaryIO
+    path: Path | None = None
+    """Its local path, where the backend has one (for memory-mapped hashing)."""
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """One file the backend lists: its key under the store root and its size in bytes."""
+
+    key: str
+    size: int
+
+
+class Backend(Protocol):
+    """Files under one root, with the atomic publish a content-addressed store relies on."""
+
+    location: str
+    stale_after_s: float
+
+    def ensure(self) -> None:
+        """Create the root and its working folders if they are missing."""
+
+    def local_path(self, key: str) -> Path | None:
+        """The key's path on a local filesystem, or None when the backend has none."""
+
+    def size(self, key: str) -> int | None:
+        """The size of the file at key, or None when there is none."""
+
+    def open_read(self, key: str) -> BinaryIO:
+        """Open the file at key for reading."""
+
+    def create_temp(self) -> TempFile:
+        """A new, uniquely named temporary file inside the store, open for writing."""
+
+    def link_temp(self, source: Path) -> tuple[TempFile, str] | None:
+        """Make a temporary file that shares the source's bytes (reflink or hardlink).
+
+        Returns the temp file and the method used, or None when this backend or
+        filesystem cannot share bytes with the source.
+        """
+
+    def commit(self, temp: TempFile, key: str) -> bool:
+        """Make the temp file durable and read-only, then publish it at key atomically.
+
+        Returns False (and discards the temp file) when a file was already at key.
+        """
+
+    def discard(self, temp: TempFile) -> None:
+        """Close and remove a temp file that will not be published."""
+
+    def iter_files(self, prefix: str) -> Iterator[StoredFile]:
+        """Every file under the folder `prefix`, recursively."""
+
+    def move(self, key: str, new_key: str) -> None:
+        """Move a file to another key (used to quarantine corrupt blobs)."""
+
+    def remove(self, key: str) -> None:
+        """Delete the file at key; a missing file is not an error."""
+
+    def sweep_temps(self, stale_after_s: float) -> list[str]:
+        """Remove temp files abandoned by dead writers; return their keys."""
+
+    def free_bytes(self) -> int | None:
+        """Free space under the root, where the backend can tell."""

@@ -1,0 +1,204 @@
+"""A store on a local path (a NAS mount is a local path): fsync, rename, read-only blobs."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from flare.store.backends.base import TMP_DIR, StoredFile, TempFile
+from flare.store.backends.linking import hardlink, reflink
+from flare.store.errors import FlareError, from_os_error
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or link inside `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_name() -> str:
+    """A unique temp file name that says which host and process writes it."""
+    host = socket.gethostname().replace(".", "_") or "host"
+    return f"{host}.{os.getpid()}.{secrets.token_hex(8)}.part"
+
+
+class LocalBackend:
+    """Files under a directory. Writers hold an flock on their temp file while they write."""
+
+    stale_after_s = 900.0
+    """A temp file this old whose writer holds no lock was abandoned by a dead process."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.location = str(root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def ensure(self) -> None:
+        try:
+            (self.root / TMP_DIR).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise from_os_error(exc, "create the store at", self.root) from exc
+
+    def local_path(self, key: str) -> Path:
+        return self._path(key)
+
+    def size(self, key: str) -> int | None:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def open_read(self, key: str) -> BinaryIO:
+        try:
+            return open(self._path(key), "rb")
+        except OSError as exc:
+            raise from_os_error(exc, "read", self._path(key)) from exc
+
+    def create_temp(self) -> TempFile:
+        path = self.root / TMP_DIR / temp_name()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise from_os_error(exc, "create a temporary file in", path.parent) from exc
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return TempFile(key=f"{TMP_DIR}/{path.name}", file=open(fd, "wb", buffering=0), path=path)
+
+    def link_temp(self, source: Path) -> tuple[TempFile, str] | None:
+        temp = self.create_temp()
+        assert temp.path is not None
+        try:
+            with open(source, "rb") as src:
+                if reflink(src.fileno(), temp.file.fileno()):
+                    return temp, "reflink"
+            self.discard(temp)
+            return self._hardlink_temp(source)
+        except OSError as exc:
+            self.discard(temp)
+            raise from_os_error(exc, "link", source) from exc
+
+    def _hardlink_temp(self, source: Path) -> tuple[TempFile, str] | None:
+        path = self.root / TMP_DIR / temp_name()
+        if not hardlink(source, path):
+            return None
+        handle = open(path, "rb", buffering=0)  # noqa: SIM115 (returned, closed by commit)
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        if not _same_file(path, handle.fileno()):  # a sweeper took it before we locked it
+            handle.close()
+            return None
+        try:  # read-only from now on, so the bytes we hash are the bytes we publish
+            os.fchmod(handle.fileno(), 0o444)
+        except PermissionError:  # not our file to freeze: copy it instead
+            handle.close()
+            path.unlink(missing_ok=True)
+            return None
+        return TempFile(key=f"{TMP_DIR}/{path.name}", file=handle, path=path), "hardlink"  # type: ignore[arg-type]
+
+    def commit(self, temp: TempFile, key: str) -> bool:
+        assert temp.path is not None
+        dest = self._path(key)
+        if dest.exists():
+            self.discard(temp)
+            return False
+        try:
+            fd = temp.file.fileno()
+            os.fsync(fd)
+            os.fchmod(fd, 0o444)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(temp.path, dest)
+            fsync_dir(dest.parent)
+        except OSError as exc:
+            self.discard(temp)
+            raise from_os_error(exc, "publish a blob at", dest) from exc
+        temp.file.close()
+        return True
+
+    def discard(self, temp: TempFile) -> None:
+        temp.file.close()
+        if temp.path is not None:
+            temp.path.unlink(missing_ok=True)
+
+    def iter_files(self, prefix: str) -> Iterator[StoredFile]:
+        top = self._path(prefix)
+        for dirpath, _dirs, files in os.walk(top):
+            rel = Path(dirpath).relative_to(self.root)
+            for name in files:
+                try:
+                    size = os.stat(os.path.join(dirpath, name)).st_size
+                except FileNotFoundError:
+                    continue
+                yield StoredFile(key=f"{rel.as_posix()}/{name}", size=size)
+
+    def move(self, key: str, new_key: str) -> None:
+        dest = self._path(new_key)
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self._path(key), dest)
+            fsync_dir(dest.parent)
+        except OSError as exc:
+            raise from_os_error(exc, "move", self._path(key)) from exc
+
+    def remove(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as exc:
+            raise from_os_error(exc, "remove", self._path(key)) from exc
+
+    def sweep_temps(self, stale_after_s: float) -> list[str]:
+        """Remove temp files older than the threshold whose writer no longer holds its lock."""
+        removed = []
+        try:
+            entries = list(os.scandir(self.root / TMP_DIR))
+        except FileNotFoundError:
+            return removed
+        cutoff = time.time() - stale_after_s
+        for entry in entries:
+            if _is_abandoned(entry, cutoff):
+                Path(entry.path).unlink(missing_ok=True)
+                removed.append(f"{TMP_DIR}/{entry.name}")
+        return removed
+
+    def free_bytes(self) -> int | None:
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    """True while `path` still names the file open as `fd`."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    return os.path.samestat(st, os.fstat(fd))
+
+
+def _is_abandoned(entry: os.DirEntry[str], cutoff: float) -> bool:
+    """True for a temp file untouched since `cutoff` whose lock nobody holds (its owner died)."""
+    try:
+        if entry.stat(follow_symlinks=False).st_mtime > cutoff:
+            return False
+        fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        raise FlareError(f"cannot check the lock of {entry.path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+    return True

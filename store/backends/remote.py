@@ -1,0 +1,133 @@
+"""A store behind an fsspec URL (memory://, s3:// with s3fs, ...), through the same interface.
+
+Object stores have no rename that is atomic and no locks, so a blob is written under tmp/ and
+moved into place once complete; abandoned temp files are recognised by age alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import fsspec
+
+from flare.store.backends.base import TMP_DIR, StoredFile, TempFile
+from flare.store.backends.local import temp_name
+from flare.store.errors import FlareError, InvalidInputError, from_os_error
+
+
+class FsspecBackend:
+    """Files under an fsspec URL."""
+
+    stale_after_s = 86400.0
+    """Without locks, only age says a temp file was abandoned: wait a day."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url)
+        except (ImportError, ValueError) as exc:
+            raise InvalidInputError(
+                f"cannot open store {url}: {exc}",
+                "install the filesystem's package (s3:// needs `pip install flare[s3]`)",
+            ) from exc
+        self.root = root.rstrip("/")
+        self.location = url
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    def ensure(self) -> None:
+        try:
+            self.fs.makedirs(self._path(TMP_DIR), exist_ok=True)
+        except OSError as exc:
+            raise from_os_error(exc, "create the store at", self.location) from exc
+
+    def local_path(self, key: str) -> Path | None:
+        return None
+
+    def size(self, key: str) -> int | None:
+        try:
+            return int(self.fs.info(self._path(key))["size"])
+        except FileNotFoundError:
+            return None
+
+    def open_read(self, key: str) -> BinaryIO:
+        try:
+            return self.fs.open(self._path(key), "rb")
+        except OSError as exc:
+            raise from_os_error(exc, "read", self._path(key)) from exc
+
+    def create_temp(self) -> TempFile:
+        key = f"{TMP_DIR}/{temp_name()}"
+        try:
+            return TempFile(key=key, file=self.fs.open(self._path(key), "wb"))
+        except OSError as exc:
+            raise from_os_error(exc, "create a temporary file in", self.location) from exc
+
+    def link_temp(self, source: Path) -> tuple[TempFile, str] | None:
+        return None
+
+    def commit(self, temp: TempFile, key: str) -> bool:
+        try:
+            temp.file.close()
+            if self.fs.exists(self._path(key)):
+                self.remove(temp.key)
+                return False
+            self.fs.mv(self._path(temp.key), self._path(key))
+        except OSError as exc:
+            self.remove(temp.key)
+            raise from_os_error(exc, "publish a blob at", self._path(key)) from exc
+        return True
+
+    def discard(self, temp: TempFile) -> None:
+        temp.file.close()
+        self.remove(temp.key)
+
+    def iter_files(self, prefix: str) -> Iterator[StoredFile]:
+        top = self._path(prefix)
+        if not self.fs.exists(top):
+            return
+        for path, info in self.fs.find(top, detail=True).items():
+            key = path[len(self.root) + 1 :] if path.startswith(self.root) else path
+            yield StoredFile(key=key.lstrip("/"), size=int(info["size"]))
+
+    def move(self, key: str, new_key: str) -> None:
+        try:
+            self.fs.mv(self._path(key), self._path(new_key))
+        except OSError as exc:
+            raise from_os_error(exc, "move", self._path(key)) from exc
+
+    def remove(self, key: str) -> None:
+        try:
+            self.fs.rm(self._path(key))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise FlareError(f"cannot remove {self._path(key)}: {exc}") from exc
+
+    def sweep_temps(self, stale_after_s: float) -> list[str]:
+        cutoff = time.time() - stale_after_s
+        removed = []
+        for stored in list(self.iter_files(TMP_DIR)):
+            modified = _modified(self.fs.info(self._path(stored.key)))
+            if modified is not None and modified < cutoff:
+                self.remove(stored.key)
+                removed.append(stored.key)
+        return removed
+
+    def free_bytes(self) -> int | None:
+        return None
+
+
+def _modified(info: dict[str, Any]) -> float | None:
+    """A file's modification time from whichever field this filesystem reports."""
+    for field in ("mtime", "LastModified", "created", "last_modified"):
+        value = info.get(field)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, int | float):
+            return float(value)
+    return None

@@ -1,0 +1,479 @@
+"""The content-addressed blob store: immutable bytes named by their BLAKE3 digest.
+
+A blob is written to a temp file inside the store, hashed while written, fsynced, made
+read-only and renamed into `blobs/blake3/<2 hex>/<64 hex>[.zst]`. A blob that exists is
+complete and correct by construction; concurrent writers of one blob are harmless.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+from flare.store.backends import Backend, StoredFile, TempFile, open_backend
+from flare.store.backends.base import TMP_DIR
+from flare.store.digest import HEX_LENGTH, Digest, parse_prefix, resolve_prefix
+from flare.store.encoding import (
+    VERIFY_HINT,
+    BoundedZstdReader,
+    Encoding,
+    check_zstd_level,
+    zstd_plain_size,
+    zstd_writer,
+)
+from flare.store.errors import FlareError, IntegrityError, NotFoundError, from_os_error
+from flare.store.hashing import (
+    FileState,
+    Progress,
+    check_unchanged,
+    hash_file,
+    new_hasher,
+    parallel_map,
+)
+
+BLOB_DIR = "blobs/blake3"
+QUARANTINE_DIR = "quarantine"
+COPY_CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What a put stored: the digest, the plain size, and how the bytes got there."""
+
+    digest: Digest
+    size: int
+    method: str
+    """copy, reflink, hardlink, or existing (the blob was already stored)."""
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """One stored blob: its digest, how it is kept, and the bytes it takes in the store."""
+
+    digest: Digest
+    encoding: Encoding
+    stored_size: int
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of re-hashing blobs."""
+
+    checked: int = 0
+    checked_bytes: int = 0
+    corrupt: list[Digest] = field(default_factory=list)
+    missing: list[Digest] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)
+    stray: list[str] = field(default_factory=list)
+    """Files under blobs/ whose names are not blob names (left in place, reported)."""
+
+    @property
+    def ok(self) -> bool:
+        return not (self.corrupt or self.missing)
+
+
+@dataclass(frozen=True)
+class StoreUsage:
+    """What a store holds, in bytes as kept on disk."""
+
+    blobs: int
+    stored_bytes: int
+    temp_bytes: int
+    quarantine_bytes: int
+    free_bytes: int | None
+
+
+def blob_key(digest: Digest, encoding: Encoding) -> str:
+    """Where a blob lives under the store root."""
+    return f"{BLOB_DIR}/{digest.hex[:2]}/{digest.hex}{encoding.suffix}"
+
+
+def parse_blob_key(key: str) -> tuple[Digest, Encoding] | None:
+    """The digest and encoding a blob file name stands for, or None for a stray file."""
+    parts = key.split("/")
+    if len(parts) != 4 or "/".join(parts[:2]) != BLOB_DIR:
+        return None
+    name = parts[3]
+    encoding = Encoding.ZSTD if name.endswith(Encoding.ZSTD.suffix) else Encoding.PLAIN
+    hex_part = name.removesuffix(encoding.suffix)
+    if len(hex_part) != HEX_LENGTH or parts[2] != hex_part[:2]:
+        return None
+    try:
+        return Digest(hex_part), encoding
+    except FlareError:
+        return None
+
+
+def copy_hashing(source: BinaryIO, sink: BinaryIO, progress: Progress | None) -> tuple[str, int]:
+    """Copy a stream to a sink, hashing it on the way: one pass over the bytes."""
+    hasher = new_hasher()
+    buffer = bytearray(COPY_CHUNK)
+    view = memoryview(buffer)
+    total = 0
+    while read := source.readinto(view):  # type: ignore[attr-defined]
+        chunk = view[:read]
+        hasher.update(chunk)
+        sink.write(chunk)
+        total += read
+        if progress:
+            progress(read)
+    return hasher.hexdigest(), total
+
+
+class BlobStore:
+    """Blobs under one root (a local path, a NAS mount, or an fsspec URL)."""
+
+    def __init__(
+        self, location: str | Path, encoding: Encoding = Encoding.PLAIN, zstd_level: int = 3
+    ) -> None:
+        self.backend: Backend = open_backend(location)
+        self.encoding = encoding
+        self.zstd_level = check_zstd_level(zstd_level)
+        self._ready = False
+
+    @property
+    def location(self) -> str:
+        return self.backend.location
+
+    # -- lookup ---------------------------------------------------------------------------
+
+    def locate(self, digest: Digest) -> BlobInfo | None:
+        """The stored blob with this digest, in whichever encoding it was kept."""
+        for encoding in (self.encoding, *(e for e in Encoding if e is not self.encoding)):
+            size = self.backend.size(blob_key(digest, encoding))
+            if size is not None:
+                return BlobInfo(digest, encoding, size)
+        return None
+
+    def has(self, digest: Digest) -> bool:
+        return self.locate(digest) is not None
+
+    def iter_blobs(self, stray: list[str] | None = None) -> Iterator[BlobInfo]:
+        """Every stored blob; files that are not blobs are appended to `stray` if given."""
+        for stored in self.backend.iter_files(BLOB_DIR):
+            parsed = parse_blob_key(stored.key)
+            if parsed is None:
+                if stray is not None:
+                    stray.append(stored.key)
+                continue
+            yield BlobInfo(parsed[0], parsed[1], stored.size)
+
+    def resolve(self, text: str) -> Digest:
+        """The stored digest a full digest or a unique prefix (8+ hex digits) names."""
+        prefix = parse_prefix(text)
+        candidates = (
+            info.digest
+            for stored in self.backend.iter_files(f"{BLOB_DIR}/{prefix[:2]}")
+            if (parsed := parse_blob_key(stored.key))
+            for info in [BlobInfo(parsed[0], parsed[1], stored.size)]
+        )
+        return resolve_prefix(prefix, candidates, self.location)
+
+    def require(self, digest: Digest) -> BlobInfo:
+        """The stored blob, or a NotFoundError that says where we looked."""
+        info = self.locate(digest)
+        if info is None:
+            raise NotFoundError(f"blob {digest} is not in {self.location}", "check the digest")
+        return info
+
+    # -- writing --------------------------------------------------------------------------
+
+    def put_bytes(self, data: bytes) -> PutResult:
+        """Store bytes held in memory."""
+        return self.put_stream(io.BytesIO(data), size=len(data))
+
+    def put_stream(
+        self,
+        stream: BinaryIO,
+        size: int | None = None,
+        expect: Digest | None = None,
+        progress: Progress | None = None,
+    ) -> PutResult:
+        """Store a stream, hashed while written; `expect` refuses bytes with another digest."""
+        self._prepare_writes()
+        if self.encoding is Encoding.ZSTD and size is None:
+            return self._put_unsized_zstd(stream, expect, progress)
+        temp = self.backend.create_temp()
+        try:
+            digest, total = self._fill_temp(temp, stream, size, progress)
+        except BaseException:
+            self.backend.discard(temp)
+            raise
+        return self._publish(temp, digest, total, "copy", expect)
+
+    def put_file(
+        self, path: Path, link: bool = True, progress: Progress | None = None
+    ) -> PutResult:
+        """Store a file: linked where the store and file share a filesystem, else copied."""
+        path = Path(path)
+        if not path.is_file():
+            what = "not a regular file" if path.exists() else "no such file"
+            raise NotFoundError(f"{what}: {path}", "check the path")
+        if link and self.encoding is Encoding.PLAIN:
+            linked = self._put_linked(path, progress)
+            if linked is not None:
+                return linked
+        try:
+            with open(path, "rb", buffering=0) as source:
+                before = FileState.of(os.fstat(source.fileno()))
+                result = self.put_stream(source, size=before.size, progress=progress)  # type: ignore[arg-type]
+                after = FileState.of(os.fstat(source.fileno()))
+        except OSError as exc:
+            raise from_os_error(exc, "read", path) from exc
+        check_unchanged(path, before, after)
+        return result
+
+    def put_tree(
+        self,
+        root: Path,
+        link: bool = True,
+        workers: int | None = None,
+        progress: Progress | None = None,
+    ) -> dict[str, PutResult]:
+        """Store every file under a folder, many at once; keys are POSIX paths relative to it."""
+        files = list_tree(Path(root))
+        results = parallel_map(
+            lambda rel: self.put_file(root / rel, link, progress), files, workers
+        )
+        return dict(zip(files, results, strict=True))
+
+    def copy_to(
+        self, other: BlobStore, digest: Digest, progress: Progress | None = None
+    ) -> PutResult:
+        """Copy one blob into another store: linked on one filesystem, always verified."""
+        info = self.require(digest)
+        existing = other.locate(digest)
+        if existing is not None:
+            return PutResult(digest, self.plain_size(info), "existing")
+        source_path = self.backend.local_path(blob_key(digest, info.encoding))
+        if source_path and info.encoding is other.encoding is Encoding.PLAIN:
+            linked = other._put_linked(source_path, progress, expect=digest)
+            if linked is not None:
+                return linked
+        with self.open(digest) as reader:
+            return other.put_stream(reader, self.plain_size(info), expect=digest, progress=progress)
+
+    def _fill_temp(
+        self, temp: TempFile, stream: BinaryIO, size: int | None, progress: Progress | None
+    ) -> tuple[Digest, int]:
+        """Write the stream into the temp file in this store's encoding; return its digest."""
+        try:
+            if self.encoding is Encoding.ZSTD:
+                assert size is not None
+                with zstd_writer(temp.file, size, self.zstd_level) as sink:
+                    hex_digest, total = copy_hashing(stream, sink, progress)
+            else:
+                hex_digest, total = copy_hashing(stream, temp.file, progress)
+        except OSError as exc:
+            raise from_os_error(exc, "write a blob into", self.location) from exc
+        if size is not None and total != size:
+            raise IntegrityError(
+                f"expected {size} bytes but read {total}",
+                "the source changed while it was read; nothing was stored",
+            )
+        return Digest(hex_digest), total
+
+    def _put_unsized_zstd(
+        self, stream: BinaryIO, expect: Digest | None, progress: Progress | None
+    ) -> PutResult:
+        """zstd frames record their size up front: spool a stream of unknown size first."""
+        spool = BlobStore(self.location, Encoding.PLAIN)
+        temp = spool.backend.create_temp()
+        try:
+            _, total = spool._fill_temp(temp, stream, None, progress)
+            temp.file.close()
+            with spool.backend.open_read(temp.key) as plain:
+                return self.put_stream(plain, size=total, expect=expect)
+        finally:
+            spool.backend.discard(temp)
+
+    def _put_linked(
+        self, path: Path, progress: Progress | None, expect: Digest | None = None
+    ) -> PutResult | None:
+        """Share the file's bytes with a temp file (reflink, else hardlink), hash, publish."""
+        self._prepare_writes()
+        linked = self.backend.link_temp(path)
+        if linked is None:
+            return None
+        temp, method = linked
+        try:
+            assert temp.path is not None
+            digest, size = hash_file(temp.path, progress=progress)
+        except BaseException:
+            self.backend.discard(temp)
+            raise
+        return self._publish(temp, digest, size, method, expect)
+
+    def _publish(
+        self, temp: TempFile, digest: Digest, size: int, method: str, expect: Digest | None
+    ) -> PutResult:
+        """Put a complete temp file in place under its digest, unless that blob exists."""
+        if expect is not None and digest != expect:
+            self.backend.discard(temp)
+            raise IntegrityError(
+                f"bytes for {expect} hash to {digest}", "the source is corrupt; nothing was stored"
+            )
+        if self.locate(digest) is not None:
+            self.backend.discard(temp)
+            return PutResult(digest, size, "existing")
+        published = self.backend.commit(temp, blob_key(digest, self.encoding))
+        return PutResult(digest, size, method if published else "existing")
+
+    # -- reading --------------------------------------------------------------------------
+
+    def plain_size(self, info: BlobInfo) -> int:
+        """The size of the blob's content, whatever its encoding."""
+        if info.encoding is Encoding.PLAIN:
+            return info.stored_size
+        key = blob_key(info.digest, info.encoding)
+        with self.backend.open_read(key) as raw:
+            return zstd_plain_size(raw, f"{self.location}/{key}")
+
+    def open(self, digest: Digest, expected_size: int | None = None) -> BinaryIO:
+        """A reader of the blob's plain bytes (not verified: see read_bytes and get)."""
+        info = self.require(digest)
+        key = blob_key(digest, info.encoding)
+        raw = self.backend.open_read(key)
+        if info.encoding is Encoding.PLAIN:
+            return raw
+        try:
+            reader = BoundedZstdReader(raw, f"{self.location}/{key}", expected_size)
+        except BaseException:
+            raw.close()
+            raise
+        return io.BufferedReader(reader, COPY_CHUNK)  # type: ignore[return-value]
+
+    def read_bytes(self, digest: Digest) -> bytes:
+        """The blob's content, checked against its digest."""
+        sink = io.BytesIO()
+        with self.open(digest) as reader:
+            hex_digest, _ = copy_hashing(reader, sink, None)
+        self._check_digest(digest, hex_digest)
+        return sink.getvalue()
+
+    def get(self, digest: Digest, dest: Path, progress: Progress | None = None) -> int:
+        """Write the blob's content to `dest` atomically, verified while copied; return its size."""
+        dest = Path(dest)
+        if dest.is_dir():
+            dest = dest / digest.hex
+        partial = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+        try:
+            with self.open(digest) as reader, open(partial, "wb") as sink:
+                hex_digest, total = copy_hashing(reader, sink, progress)
+                sink.flush()
+                os.fsync(sink.fileno())
+            self._check_digest(digest, hex_digest)
+            os.replace(partial, dest)
+        except OSError as exc:
+            raise from_os_error(exc, "write", dest) from exc
+        finally:
+            partial.unlink(missing_ok=True)
+        return total
+
+    def _check_digest(self, digest: Digest, hex_digest: str) -> None:
+        if hex_digest != digest.hex:
+            raise IntegrityError(
+                f"blob {digest} in {self.location} is corrupt (it hashes to {hex_digest[:16]})",
+                VERIFY_HINT,
+            )
+
+    # -- maintenance ----------------------------------------------------------------------
+
+    def verify(
+        self,
+        digests: Iterable[Digest] | None = None,
+        workers: int | None = None,
+        progress: Progress | None = None,
+    ) -> VerifyReport:
+        """Re-hash blobs in parallel; move corrupt ones to quarantine/, never delete them."""
+        self.sweep_temps()
+        report = VerifyReport()
+        if digests is None:
+            infos = list(self.iter_blobs(report.stray))
+        else:
+            located = [(d, self.locate(d)) for d in digests]
+            report.missing = [d for d, info in located if info is None]
+            infos = [info for _, info in located if info is not None]
+        intact = parallel_map(lambda info: self._is_intact(info, progress), infos, workers)
+        for info, ok in zip(infos, intact, strict=True):
+            report.checked += 1
+            report.checked_bytes += info.stored_size
+            if not ok:
+                report.corrupt.append(info.digest)
+                report.quarantined.append(self._quarantine(info))
+        return report
+
+    def _is_intact(self, info: BlobInfo, progress: Progress | None) -> bool:
+        key = blob_key(info.digest, info.encoding)
+        local = self.backend.local_path(key)
+        try:
+            if local is not None and info.encoding is Encoding.PLAIN:
+                return hash_file(local, progress=progress)[0] == info.digest
+            with self.open(info.digest) as reader:
+                hex_digest, _ = copy_hashing(reader, _NullSink(), progress)  # type: ignore[arg-type]
+            return hex_digest == info.digest.hex
+        except IntegrityError:
+            return False
+
+    def _quarantine(self, info: BlobInfo) -> str:
+        key = blob_key(info.digest, info.encoding)
+        dest = f"{QUARANTINE_DIR}/{info.digest.hex}{info.encoding.suffix}.{time.time_ns()}"
+        self.backend.move(key, dest)
+        return dest
+
+    def sweep_temps(self, stale_after_s: float | None = None) -> list[str]:
+        """Remove temp files that dead writers left behind (never a live writer's)."""
+        return self.backend.sweep_temps(
+            self.backend.stale_after_s if stale_after_s is None else stale_after_s
+        )
+
+    def _prepare_writes(self) -> None:
+        """Before the first write: create the store's folders, clear what dead writers left."""
+        if not self._ready:
+            self.backend.ensure()
+            self.sweep_temps()
+            self._ready = True
+
+    def usage(self) -> StoreUsage:
+        """Blob count and bytes, plus what temp files and quarantine hold."""
+        infos = list(self.iter_blobs())
+        return StoreUsage(
+            blobs=len(infos),
+            stored_bytes=sum(i.stored_size for i in infos),
+            temp_bytes=_total(self.backend.iter_files(TMP_DIR)),
+            quarantine_bytes=_total(self.backend.iter_files(QUARANTINE_DIR)),
+            free_bytes=self.backend.free_bytes(),
+        )
+
+
+class _NullSink:
+    """A sink that discards what it is given: hashing without keeping the bytes."""
+
+    def write(self, data: bytes | memoryview) -> int:
+        return len(data)
+
+
+def _total(files: Iterable[StoredFile]) -> int:
+    return sum(f.size for f in files)
+
+
+def list_tree(root: Path) -> list[str]:
+    """Every regular file under a folder (following links), as sorted relative POSIX paths."""
+    if not root.is_dir():
+        if not root.exists():
+            raise NotFoundError(f"no such folder: {root}", "check the path")
+        raise FlareError(f"not a folder: {root}", "pass a folder, or the file itself")
+    found = []
+    for dirpath, _dirs, files in os.walk(root, followlinks=True, onerror=_raise_walk_error):
+        rel = Path(dirpath).relative_to(root)
+        found.extend((rel / name).as_posix() for name in files)
+    return sorted(found)
+
+
+def _raise_walk_error(exc: OSError) -> None:
+    raise from_os_error(exc, "list", exc.filename)
