@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import io
 import os
 import secrets
 import socket
@@ -14,6 +16,35 @@ from typing import BinaryIO
 from flare.store.backends.base import TMP_DIR, StoredFile, TempFile
 from flare.store.backends.linking import hardlink, reflink
 from flare.store.errors import FlareError, from_os_error
+
+WRITEBACK_EVERY = 64 << 20
+"""Bytes written between requests to start writing them to disk."""
+_SYNC_FILE_RANGE_WRITE = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_sync_file_range = getattr(_libc, "sync_file_range", None)
+
+
+class WritebackFile(io.FileIO):
+    """A file that asks the kernel to start writing its pages to disk as they fill.
+
+    The final fsync then waits for the last few megabytes instead of the whole blob, so
+    hashing, copying and disk writes overlap: a durable put costs about what `cp` + `sync` does.
+    """
+
+    _flushed = 0
+
+    def write(self, data: bytes | memoryview) -> int:  # type: ignore[override]
+        written = super().write(data) or 0
+        position = self.tell()
+        if _sync_file_range is not None and position - self._flushed >= WRITEBACK_EVERY:
+            _sync_file_range(
+                self.fileno(),
+                ctypes.c_int64(self._flushed),
+                ctypes.c_int64(position - self._flushed),
+                _SYNC_FILE_RANGE_WRITE,
+            )
+            self._flushed = position
+        return written
 
 
 def fsync_dir(path: Path) -> None:
@@ -72,7 +103,7 @@ class LocalBackend:
         except OSError as exc:
             raise from_os_error(exc, "create a temporary file in", path.parent) from exc
         fcntl.flock(fd, fcntl.LOCK_EX)
-        return TempFile(key=f"{TMP_DIR}/{path.name}", file=open(fd, "wb", buffering=0), path=path)
+        return TempFile(key=f"{TMP_DIR}/{path.name}", file=WritebackFile(fd, "wb"), path=path)
 
     def link_temp(self, source: Path) -> tuple[TempFile, str] | None:
         temp = self.create_temp()
