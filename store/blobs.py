@@ -109,19 +109,31 @@ def parse_blob_key(key: str) -> tuple[Digest, Encoding] | None:
         return None
 
 
-def copy_hashing(source: BinaryIO, sink: BinaryIO, progress: Progress | None) -> tuple[str, int]:
-    """Copy a stream to a sink, hashing it on the way: one pass over the bytes."""
+def copy_hashing(
+    source: BinaryIO, sink: BinaryIO, progress: Progress | None, limit: int | None = None
+) -> tuple[str, int]:
+    """Copy a stream to a sink, hashing it on the way: one pass over the bytes.
+
+    With a limit, copies at most that many bytes and reads one more to tell whether the
+    source held more: a growing file never keeps the copy going.
+    """
     hasher = new_hasher()
     buffer = bytearray(COPY_CHUNK)
     view = memoryview(buffer)
     total = 0
-    while read := source.readinto(view):  # type: ignore[attr-defined]
+    while limit is None or total < limit:
+        want = COPY_CHUNK if limit is None else min(COPY_CHUNK, limit - total)
+        read = source.readinto(view[:want])  # type: ignore[attr-defined]
+        if not read:
+            break
         chunk = view[:read]
         hasher.update(chunk)
         sink.write(chunk)
         total += read
         if progress:
             progress(read)
+    if limit is not None and total == limit and source.read(1):
+        total += 1
     return hasher.hexdigest(), total
 
 
@@ -266,14 +278,14 @@ class BlobStore:
             if self.encoding is Encoding.ZSTD:
                 assert size is not None
                 with zstd_writer(temp.file, size, self.zstd_level) as sink:
-                    hex_digest, total = copy_hashing(stream, sink, progress)
+                    hex_digest, total = copy_hashing(stream, sink, progress, size)
             else:
-                hex_digest, total = copy_hashing(stream, temp.file, progress)
+                hex_digest, total = copy_hashing(stream, temp.file, progress, size)
         except OSError as exc:
             raise from_os_error(exc, "write a blob into", self.location) from exc
         if size is not None and total != size:
             raise IntegrityError(
-                f"expected {size} bytes but read {total}",
+                f"expected {size} bytes but the source held {'more' if total > size else total}",
                 "the source changed while it was read; nothing was stored",
             )
         return Digest(hex_digest), total

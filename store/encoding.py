@@ -97,15 +97,21 @@ class BoundedZstdReader(io.RawIOBase):
             self._check_end()
             return 0
         want = min(len(buffer), self._remaining)
-        data = self._reader.read(want)
+        data = self._decode(want)
         if not data:
             raise IntegrityError(f"{self.where} ends before its recorded size", VERIFY_HINT)
         buffer[: len(data)] = data
         self._remaining -= len(data)
         return len(data)
 
+    def _decode(self, size: int) -> bytes:
+        try:
+            return self._reader.read(size)
+        except zstandard.ZstdError as exc:
+            raise IntegrityError(f"{self.where} does not decode: {exc}", VERIFY_HINT) from exc
+
     def _check_end(self) -> None:
-        if self._reader.read(1):
+        if self._decode(1):
             raise IntegrityError(
                 f"{self.where} decodes past its recorded size {self.size}",
                 VERIFY_HINT,
