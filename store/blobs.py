@@ -210,12 +210,7 @@ class BlobStore:
         self._prepare_writes()
         if self.encoding is Encoding.ZSTD and size is None:
             return self._put_unsized_zstd(stream, expect, progress)
-        temp = self.backend.create_temp()
-        try:
-            digest, total = self._fill_temp(temp, stream, size, progress)
-        except BaseException:
-            self.backend.discard(temp)
-            raise
+        temp, digest, total = self._write_temp(stream, size, progress)
         return self._publish(temp, digest, total, "copy", expect)
 
     def put_file(
@@ -230,15 +225,20 @@ class BlobStore:
             linked = self._put_linked(path, progress)
             if linked is not None:
                 return linked
+        self._prepare_writes()
         try:
             with open(path, "rb", buffering=0) as source:
                 before = FileState.of(os.fstat(source.fileno()))
-                result = self.put_stream(source, size=before.size, progress=progress)  # type: ignore[arg-type]
+                temp, digest, total = self._write_temp(source, before.size, progress)  # type: ignore[arg-type]
                 after = FileState.of(os.fstat(source.fileno()))
         except OSError as exc:
             raise from_os_error(exc, "read", path) from exc
-        check_unchanged(path, before, after)
-        return result
+        try:
+            check_unchanged(path, before, after)
+        except IntegrityError:
+            self.backend.discard(temp)
+            raise
+        return self._publish(temp, digest, total, "copy", None)
 
     def put_tree(
         self,
@@ -270,24 +270,38 @@ class BlobStore:
         with self.open(digest) as reader:
             return other.put_stream(reader, self.plain_size(info), expect=digest, progress=progress)
 
+    def _write_temp(
+        self, stream: BinaryIO, size: int | None, progress: Progress | None
+    ) -> tuple[TempFile, Digest, int]:
+        """Write the stream into a new temp file in this store's encoding, hashing it."""
+        temp = self.backend.create_temp()
+        try:
+            digest, total = self._fill_temp(temp, stream, size, progress)
+        except BaseException:
+            self.backend.discard(temp)
+            raise
+        return temp, digest, total
+
     def _fill_temp(
         self, temp: TempFile, stream: BinaryIO, size: int | None, progress: Progress | None
     ) -> tuple[Digest, int]:
         """Write the stream into the temp file in this store's encoding; return its digest."""
         try:
+            sink = temp.file
             if self.encoding is Encoding.ZSTD:
                 assert size is not None
-                with zstd_writer(temp.file, size, self.zstd_level) as sink:
-                    hex_digest, total = copy_hashing(stream, sink, progress, size)
-            else:
-                hex_digest, total = copy_hashing(stream, temp.file, progress, size)
+                sink = zstd_writer(temp.file, size, self.zstd_level)
+            hex_digest, total = copy_hashing(stream, sink, progress, size)
+            if size is not None and total != size:
+                held = "more" if total > size else str(total)
+                raise IntegrityError(
+                    f"expected {size} bytes but the source held {held}",
+                    "the source changed while it was read; nothing was stored",
+                )
+            if sink is not temp.file:
+                sink.close()  # ends the zstd frame; temp.file stays open
         except OSError as exc:
             raise from_os_error(exc, "write a blob into", self.location) from exc
-        if size is not None and total != size:
-            raise IntegrityError(
-                f"expected {size} bytes but the source held {'more' if total > size else total}",
-                "the source changed while it was read; nothing was stored",
-            )
         return Digest(hex_digest), total
 
     def _put_unsized_zstd(
@@ -295,9 +309,8 @@ class BlobStore:
     ) -> PutResult:
         """zstd frames record their size up front: spool a stream of unknown size first."""
         spool = BlobStore(self.location, Encoding.PLAIN)
-        temp = spool.backend.create_temp()
+        temp, _, total = spool._write_temp(stream, None, progress)
         try:
-            _, total = spool._fill_temp(temp, stream, None, progress)
             temp.file.close()
             with spool.backend.open_read(temp.key) as plain:
                 return self.put_stream(plain, size=total, expect=expect)

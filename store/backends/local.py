@@ -34,17 +34,20 @@ class WritebackFile(io.FileIO):
     _flushed = 0
 
     def write(self, data: bytes | memoryview) -> int:  # type: ignore[override]
-        written = super().write(data) or 0
+        """Write all of `data`: a raw write may stop short (at ENOSPC, the next one raises)."""
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += super().write(view[done:]) or 0
+        self._start_writeback()
+        return done
+
+    def _start_writeback(self) -> None:
         position = self.tell()
         if _sync_file_range is not None and position - self._flushed >= WRITEBACK_EVERY:
-            _sync_file_range(
-                self.fileno(),
-                ctypes.c_int64(self._flushed),
-                ctypes.c_int64(position - self._flushed),
-                _SYNC_FILE_RANGE_WRITE,
-            )
+            start, length = ctypes.c_int64(self._flushed), ctypes.c_int64(position - self._flushed)
+            _sync_file_range(self.fileno(), start, length, _SYNC_FILE_RANGE_WRITE)
             self._flushed = position
-        return written
 
 
 def fsync_dir(path: Path) -> None:
