@@ -25,6 +25,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from flare.build.pipeline import Build, BuildRequest, BuildResult, PhaseReport
 from flare.config import load_config
 from flare.store import BlobStore, Digest
 from flare.store.errors import FlareError, IntegrityError, NotFoundError, from_os_error
@@ -108,6 +109,92 @@ def input_bytes(paths: Sequence[Path]) -> int:
         elif path.exists():
             total += path.stat().st_size
     return total
+
+
+# -- flare build ------------------------------------------------------------------------------
+
+
+class BuildProgress:
+    """A bar per phase on a terminal; one line per phase in logs."""
+
+    def __init__(self) -> None:
+        columns = (
+            TextColumn("{task.description:<9}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+        )
+        self.bar = Progress(*columns, console=err, disable=not err.is_terminal)
+        self.task: Any = None
+
+    def phase_started(self, name: str, total: int) -> None:
+        if self.task is not None:
+            self.bar.update(self.task, visible=False)
+        self.task = self.bar.add_task(name, total=total or None)
+        if not err.is_terminal:
+            err.print(f"phase {name}", markup=False)
+
+    def advance(self, nbytes: int) -> None:
+        self.bar.advance(self.task, nbytes)
+
+    def phase_finished(self, report: PhaseReport) -> None:
+        self.bar.update(self.task, completed=self.bar.tasks[-1].total or 0, visible=False)
+
+    def note(self, message: str) -> None:
+        err.print(message, markup=False)
+
+
+@app.command("build")
+def build_command(
+    source: Annotated[str, typer.Argument(help="Checkpoint folder, or ORG/NAME[@REVISION].")],
+    name: Annotated[str, typer.Option(help="Package name.")],
+    tag: Annotated[str, typer.Option(help="Tag to point at the package.")] = "latest",
+    ranks: Annotated[int, typer.Option(min=1, help="Tensor-parallel ranks.")] = 1,
+    model_id: Annotated[
+        str | None, typer.Option(help="Model id (default: from the source).")
+    ] = None,
+    registry: Annotated[str | None, typer.Option(help="Registry (default: the config's).")] = None,
+    rehash: Annotated[bool, typer.Option(help="Hash every source file again.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Build a package from a checkpoint, resumably, and publish it to the registry."""
+    config = load_config()
+    request = BuildRequest(
+        source=source,
+        name=name,
+        tag=tag,
+        ranks=ranks,
+        model_id=model_id,
+        rehash=rehash,
+        staging=config["paths.export_staging"],
+        hub_cache=config["paths.hub_cache"],
+    )
+    progress = BuildProgress()
+    with progress.bar:
+        result = Build(request, open_store(registry), progress).run()
+    _print_build(result, as_json)
+
+
+def _print_build(result: BuildResult, as_json: bool) -> None:
+    phases = [asdict(p) for p in result.phases]
+    if as_json:
+        print_json(
+            {"name": result.name, "tag": result.tag, "digest": str(result.digest), "phases": phases}
+        )
+        return
+    rows = [
+        (p.name, p.status, f"{p.seconds:.2f} s", decimal(p.bytes), _rate(p.bytes, p.seconds))
+        for p in result.phases
+    ]
+    total = sum(p.seconds for p in result.phases)
+    rows.append(("total", "", f"{total:.2f} s", "", ""))
+    print_table("", ("phase", "status", "time", "bytes", "rate"), rows)
+    out.print(f"{result.name}@{result.digest}")
+
+
+def _rate(nbytes: int, seconds: float) -> str:
+    return f"{decimal(int(nbytes / seconds))}/s" if nbytes and seconds > 0 else ""
 
 
 # -- flare store ------------------------------------------------------------------------------

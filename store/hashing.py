@@ -86,6 +86,14 @@ def hash_file(
     path: Path, threads: int | None = None, progress: Progress | None = None
 ) -> tuple[Digest, int]:
     """Hash one file, using several threads on its tree; fails if the file changes meanwhile."""
+    digest, state = hash_file_state(path, threads, progress)
+    return digest, state.size
+
+
+def hash_file_state(
+    path: Path, threads: int | None = None, progress: Progress | None = None
+) -> tuple[Digest, FileState]:
+    """Hash one file and return the state it had throughout (for stat records)."""
     try:
         with open(path, "rb", buffering=0) as handle:
             before = FileState.of(os.fstat(handle.fileno()))
@@ -94,7 +102,7 @@ def hash_file(
     except OSError as exc:
         raise from_os_error(exc, "read", path) from exc
     check_unchanged(path, before, after)
-    return Digest(hex_digest), before.size
+    return Digest(hex_digest), before
 
 
 def default_workers() -> int:

@@ -77,5 +77,14 @@ class Backend(Protocol):
     def sweep_temps(self, stale_after_s: float) -> list[str]:
         """Remove temp files abandoned by dead writers; return their keys."""
 
+    def read(self, key: str) -> bytes | None:
+        """The whole content of a small file, or None when there is none."""
+
+    def write_atomic(self, key: str, data: bytes) -> None:
+        """Replace a small mutable file (a ref) so that readers see the old or the new bytes."""
+
+    def list_dir(self, prefix: str) -> list[str]:
+        """The names directly under a folder (files and folders), sorted; [] if it is absent."""
+
     def free_bytes(self) -> int | None:
         """Free space under the root, where the backend can tell."""

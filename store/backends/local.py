@@ -59,6 +59,24 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write a small file durably: temp file beside it, fsync, rename, fsync the folder."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{temp_name()}")
+        try:
+            with open(partial, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        raise from_os_error(exc, "write", path) from exc
+
+
 def temp_name() -> str:
     """A unique temp file name that says which host and process writes it."""
     host = socket.gethostname().replace(".", "_") or "host"
@@ -201,6 +219,23 @@ class LocalBackend:
                 Path(entry.path).unlink(missing_ok=True)
                 removed.append(f"{TMP_DIR}/{entry.name}")
         return removed
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise from_os_error(exc, "read", self._path(key)) from exc
+
+    def write_atomic(self, key: str, data: bytes) -> None:
+        write_file_atomic(self._path(key), data)
+
+    def list_dir(self, prefix: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self._path(prefix)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
 
     def free_bytes(self) -> int | None:
         try:

@@ -118,6 +118,25 @@ class FsspecBackend:
                 removed.append(stored.key)
         return removed
 
+    def read(self, key: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(self._path(key))
+        except FileNotFoundError:
+            return None
+
+    def write_atomic(self, key: str, data: bytes) -> None:
+        try:
+            self.fs.pipe_file(self._path(key), data)  # object stores replace objects whole
+        except OSError as exc:
+            raise from_os_error(exc, "write", self._path(key)) from exc
+
+    def list_dir(self, prefix: str) -> list[str]:
+        try:
+            entries = self.fs.ls(self._path(prefix), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
     def free_bytes(self) -> int | None:
         return None
 

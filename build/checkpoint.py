@@ -1,0 +1,111 @@
+"""The tensors of a checkpoint: every safetensors header read and validated, none loaded."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flare.build.sources import Source
+from flare.store.errors import FlareError, InvalidInputError, NotFoundError, from_os_error
+from flare.store.safetensors import FormatError, read_header
+
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """Where one tensor's bytes are in the checkpoint: file, absolute offset, dtype, shape."""
+
+    name: str
+    file: str
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def read_config(source: Source) -> dict[str, Any]:
+    """config.json, parsed; an unreadable one is a clear error."""
+    path = source.root / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except OSError as exc:
+        raise from_os_error(exc, "read", path) from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"{path} is not valid JSON: {exc}", "fix the checkpoint") from exc
+    if not isinstance(config, dict):
+        raise InvalidInputError(f"{path} is not a JSON object", "fix the checkpoint")
+    return config
+
+
+def weight_files(source: Source) -> tuple[str, ...]:
+    """The safetensors files holding the weights: the shard index's, else the top-level ones."""
+    if SHARD_INDEX in source.files:
+        names = sorted(set(_shard_map(source).values()))
+        missing = [n for n in names if n not in source.files]
+        if missing:
+            raise NotFoundError(
+                f"{missing[0]} is named in {source.root / SHARD_INDEX} but missing",
+                "re-download the checkpoint",
+            )
+        return tuple(names)
+    found = tuple(f for f in source.files if "/" not in f and f.endswith(".safetensors"))
+    if not found:
+        pickles = [f for f in source.files if f.endswith((".bin", ".pt", ".pth"))]
+        hint = "convert it to safetensors first" if pickles else "is this a checkpoint folder?"
+        raise NotFoundError(f"no *.safetensors weights in {source.root}", hint)
+    return found
+
+
+def _shard_map(source: Source) -> dict[str, str]:
+    path = source.root / SHARD_INDEX
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+    except OSError as exc:
+        raise from_os_error(exc, "read", path) from exc
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise InvalidInputError(f"{path} has no valid weight_map", "fix the checkpoint") from exc
+    if not isinstance(weight_map, dict):
+        raise InvalidInputError(f"{path}: weight_map is not an object", "fix the checkpoint")
+    return {str(k): str(v) for k, v in weight_map.items()}
+
+
+def read_tensors(source: Source) -> dict[str, SourceTensor]:
+    """Every tensor in the weight files, validated, with its place in its file."""
+    tensors: dict[str, SourceTensor] = {}
+    for name in weight_files(source):
+        for tensor in _file_tensors(source.root / name, name):
+            if tensor.name in tensors:
+                raise FormatError(
+                    f"tensor {tensor.name} is in both {tensors[tensor.name].file} and {name}"
+                )
+            tensors[tensor.name] = tensor
+    if SHARD_INDEX in source.files:
+        _check_shard_map(source, tensors)
+    return tensors
+
+
+def _file_tensors(path: Path, name: str) -> list[SourceTensor]:
+    try:
+        with open(path, "rb") as handle:
+            size = handle.seek(0, 2)
+            handle.seek(0)
+            header = read_header(handle, size, str(path))
+    except OSError as exc:
+        raise from_os_error(exc, "read", path) from exc
+    return [
+        SourceTensor(e.name, name, header.data_offset + e.start, e.dtype, e.shape, e.nbytes)
+        for e in header.tensors.values()
+    ]
+
+
+def _check_shard_map(source: Source, tensors: dict[str, SourceTensor]) -> None:
+    for tensor_name, file in _shard_map(source).items():
+        where = tensors.get(tensor_name)
+        if where is None or where.file != file:
+            raise FlareError(
+                f"{SHARD_INDEX} puts {tensor_name} in {file}, which does not hold it",
+                "the checkpoint is inconsistent; re-download it",
+            )

@@ -1,0 +1,23 @@
+"""Crash points for the resume tests: `FLARE_CRASH_AT=NAME[:N]` kills the process with
+SIGKILL the N-th time (default first) it reaches the point NAME, exactly as a dead host would."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+
+_reached: Counter[str] = Counter()
+
+
+def crash_point(name: str) -> None:
+    """Die here if the environment asks for it; otherwise do nothing."""
+    wanted = os.environ.get("FLARE_CRASH_AT")
+    if not wanted:
+        return
+    target, _, count = wanted.partition(":")
+    if target != name:
+        return
+    _reached[name] += 1
+    if _reached[name] == int(count or 1):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,364 @@
+"""The build pipeline: resolve → load → shard → tune → compile → assemble → publish.
+
+Each phase is a function of declared inputs; its outputs are recorded in the journal under
+the digest of those inputs. Rerunning a build reuses every recorded output whose inputs are
+unchanged and whose blobs are still stored: that is how a killed build resumes and how a
+rebuild with one changed option redoes only what depends on it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from flare.build.checkpoint import SourceTensor, read_config, read_tensors, weight_files
+from flare.build.faults import crash_point
+from flare.build.journal import Journal, inputs_digest
+from flare.build.payloads import PayloadReader
+from flare.build.plan import PAYLOAD_BYTES, PlannedPayload, plan_payloads
+from flare.build.recipes import recipe_for
+from flare.build.recipes.base import Recipe, check_tensors
+from flare.build.sources import Source, resolve_source
+from flare.build.statcache import StatCache, digest_files
+from flare.registry.refs import tag_package
+from flare.store.blobs import BlobStore
+from flare.store.digest import Digest
+from flare.store.errors import IntegrityError
+from flare.store.hashing import FileState, check_unchanged, hash_bytes, parallel_map
+from flare.store.package import (
+    FORMAT_VERSION,
+    RUNTIME_ABI,
+    Manifest,
+    canonical_json,
+    check_name,
+    encode_index,
+)
+
+PHASES = ("resolve", "load", "shard", "tune", "compile", "assemble", "publish")
+PAYLOAD_WORKERS = 2
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """What the user asked for, plus where this host keeps things."""
+
+    source: str
+    name: str
+    staging: Path
+    hub_cache: Path
+    tag: str = "latest"
+    ranks: int = 1
+    model_id: str | None = None
+    rehash: bool = False
+    payload_bytes: int = PAYLOAD_BYTES
+
+    def options(self) -> dict[str, Any]:
+        """The options that shape the package, recorded in its manifest."""
+        return {"ranks": self.ranks, "payload_bytes": self.payload_bytes}
+
+
+@dataclass
+class PhaseReport:
+    """How one phase went: done, reused (all outputs from the journal) or resumed (some)."""
+
+    name: str
+    status: str
+    seconds: float
+    bytes: int
+
+
+@dataclass
+class BuildResult:
+    name: str
+    tag: str
+    digest: Digest
+    manifest: Manifest
+    phases: list[PhaseReport] = field(default_factory=list)
+
+
+class Events(Protocol):
+    """What a build tells whoever shows its progress."""
+
+    def phase_started(self, name: str, total: int) -> None: ...
+    def advance(self, nbytes: int) -> None: ...
+    def phase_finished(self, report: PhaseReport) -> None: ...
+    def note(self, message: str) -> None: ...
+
+
+Signer = Callable[[BlobStore, Digest, Manifest], None]
+
+
+class Build:
+    """One run of the pipeline for one request, writing into one store."""
+
+    def __init__(
+        self,
+        request: BuildRequest,
+        store: BlobStore,
+        events: Events,
+        reuse: bool = True,
+        sign: Signer | None = None,
+    ) -> None:
+        check_name(request.name)
+        check_name(request.tag, "tag")
+        self.request = request
+        self.store = store
+        self.events = events
+        self.reuse = reuse
+        self.sign = sign
+        self.journal = Journal(request.staging)
+        self.reports: list[PhaseReport] = []
+        self.source: Source | None = None
+        self.states: dict[str, FileState] = {}
+
+    def run(self) -> BuildResult:
+        """Every phase in order, under a lock on the build's inputs."""
+        started = time.perf_counter()
+        source, files, recipe, config = self._resolve(started)
+        build_key = self._inputs_digest(files, recipe)
+        record = {"source": str(source.root), "request": self._recorded()}
+        self.journal.put("builds", build_key, record)
+        with self.journal.lock(build_key) as waited:
+            if waited:
+                self.events.note("waited for another build of the same inputs; reusing its work")
+            tensors = self._load(files, recipe, config)
+            plan = self._shard(tensors, recipe, config, files)
+            plan_digest = _digest_of([p.describe() for p in plan])
+            tuning = self._empty_phase("tune", {"plan": plan_digest}, "records")
+            compiled = self._empty_phase(
+                "compile", {"plan": plan_digest, "tune": _digest_of(tuning)}, "artifacts"
+            )
+            assembled = self._assemble(plan, files, recipe, compiled)
+            manifest = self._manifest(source, files, recipe, config, assembled, build_key)
+            digest = self._publish(manifest)
+        return BuildResult(self.request.name, self.request.tag, digest, manifest, self.reports)
+
+    # -- phases ----------------------------------------------------------------------------
+
+    def _resolve(self, started: float) -> tuple[Source, dict[str, dict[str, Any]], Recipe, dict]:
+        """Find the checkpoint, pick the recipe, refuse bad ranks, then digest every file."""
+        request = self.request
+        source = resolve_source(request.source, request.hub_cache, request.model_id)
+        config = read_config(source)
+        recipe, _architecture = recipe_for(config)
+        recipe.check_ranks(config, request.ranks)
+        paths = [source.root / f for f in source.files]
+        total = sum(p.stat().st_size for p in paths)
+        self.events.phase_started("resolve", total)
+        cache = StatCache(request.staging / "stat")
+        digests = digest_files(paths, cache, request.rehash, progress=self.events.advance)
+        self.source = source
+        files = {
+            name: {"digest": str(d), "size": size}
+            for name, (d, size) in zip(source.files, digests, strict=True)
+        }
+        self._finish("resolve", "done", started, total)
+        return source, files, recipe, config
+
+    def _load(self, files: dict, recipe: Recipe, config: dict) -> dict[str, SourceTensor]:
+        assert self.source is not None
+        source = self.source
+        weights = {n: files[n]["digest"] for n in weight_files(source)}
+        inputs = {
+            "weights": weights,
+            "config": files["config.json"]["digest"],
+            "recipe": _recipe_id(recipe),
+            "ranks": self.request.ranks,
+        }
+
+        def load() -> tuple[dict, int, list]:
+            tensors = read_tensors(source)
+            check_tensors(recipe, recipe.expected(config, self.request.ranks), tensors)
+            return {"tensors": [asdict(t) for t in tensors.values()]}, 0, []
+
+        outputs = self._phase("load", inputs, 0, load)
+        return {
+            t["name"]: SourceTensor(**{**t, "shape": tuple(t["shape"])}) for t in outputs["tensors"]
+        }
+
+    def _shard(
+        self, tensors: dict[str, SourceTensor], recipe: Recipe, config: dict, files: dict
+    ) -> list[PlannedPayload]:
+        request = self.request
+        inputs = {
+            "tensors": _digest_of([asdict(t) for t in tensors.values()]),
+            "files": {n: f["digest"] for n, f in files.items()},
+            "recipe": _recipe_id(recipe),
+            "options": request.options(),
+        }
+
+        def shard() -> tuple[dict, int, list]:
+            expected = recipe.expected(config, request.ranks)
+            file_digests = {n: f["digest"] for n, f in files.items()}
+            plan = plan_payloads(
+                expected, tensors, file_digests, request.ranks, request.payload_bytes
+            )
+            return {"payloads": [p.describe() for p in plan]}, 0, []
+
+        outputs = self._phase("shard", inputs, 0, shard)
+        return [PlannedPayload.from_description(p) for p in outputs["payloads"]]
+
+    def _assemble(
+        self, plan: list[PlannedPayload], files: dict, recipe: Recipe, compiled: dict
+    ) -> dict[str, Any]:
+        """Write every payload (reusing recorded ones) and store the runtime's other files."""
+        assert self.source is not None
+        artifacts = {n: f for n, f in files.items() if recipe.artifact_kind(n)}
+        inputs = {
+            "plan": _digest_of([p.describe() for p in plan]),
+            "artifacts": {n: f["digest"] for n, f in artifacts.items()},
+            "compiled": compiled,
+        }
+        sizes = [PayloadReader.planned_size(p) for p in plan]
+        reused: list[bool] = []
+
+        def assemble() -> tuple[dict, int, list]:
+            entries = parallel_map(
+                lambda item: self._payload(*item, reused),
+                list(zip(plan, sizes, strict=True)),
+                PAYLOAD_WORKERS,
+            )
+            stored = [self._artifact(n, f, recipe) for n, f in sorted(artifacts.items())]
+            blobs = [e["digest"] for e in entries] + [a["digest"] for a in stored]
+            return {"payloads": entries, "artifacts": stored}, sum(sizes), blobs
+
+        outputs = self._phase("assemble", inputs, sum(sizes), assemble)
+        if any(reused) and not all(reused):
+            self.reports[-1].status = "resumed"
+        return outputs
+
+    def _payload(self, payload: PlannedPayload, size: int, reused: list[bool]) -> dict[str, Any]:
+        """One payload blob: from its journal record if stored, else streamed from the source."""
+        assert self.source is not None
+        key = inputs_digest("payload", payload.describe())
+        record = self.journal.get("payload", key) if self.reuse else None
+        if record is not None and self.store.has(Digest.parse(record["digest"])):
+            reused.append(True)
+            self.events.advance(size)
+            return payload.manifest_entry(record["digest"], record["size"])
+        reused.append(False)
+        paths = {t.source.file: self.source.root / t.source.file for t in payload.tensors}
+        before = {n: FileState.of(p.stat()) for n, p in paths.items()}
+        with PayloadReader(payload, paths) as reader:
+            result = self.store.put_stream(reader, reader.size, progress=self.events.advance)
+        for name, path in paths.items():
+            check_unchanged(path, before[name], FileState.of(path.stat()))
+        self.journal.put("payload", key, {"digest": str(result.digest), "size": result.size})
+        crash_point("assemble:payload")
+        return payload.manifest_entry(str(result.digest), result.size)
+
+    def _artifact(self, name: str, recorded: dict, recipe: Recipe) -> dict[str, Any]:
+        """Copy (never link: the source stays the user's) a runtime file; check its digest."""
+        assert self.source is not None
+        result = self.store.put_file(self.source.root / name, link=False)
+        if str(result.digest) != recorded["digest"]:
+            raise IntegrityError(
+                f"{self.source.root / name} changed since it was hashed",
+                "run the build again once the checkpoint is no longer being written",
+            )
+        return {
+            "kind": recipe.artifact_kind(name),
+            "path": name,
+            "digest": recorded["digest"],
+            "size": result.size,
+        }
+
+    def _manifest(
+        self,
+        source: Source,
+        files: dict,
+        recipe: Recipe,
+        config: dict,
+        assembled: dict,
+        build_key: Digest,
+    ) -> Manifest:
+        architecture = config["architectures"][0]
+        return Manifest.model_validate_json(
+            canonical_json(
+                {
+                    "format": FORMAT_VERSION,
+                    "name": self.request.name,
+                    "model": {
+                        "id": source.model_id,
+                        "revision": source.revision,
+                        "files": [{"path": n, **f} for n, f in sorted(files.items())],
+                    },
+                    "recipe": {**_recipe_id(recipe), "architecture": architecture},
+                    "options": self.request.options(),
+                    "ranks": self.request.ranks,
+                    "toolchain": {"runtime_abi": RUNTIME_ABI},
+                    "payloads": assembled["payloads"],
+                    "artifacts": assembled["artifacts"],
+                    "inputs": str(build_key),
+                }
+            )
+        )
+
+    def _publish(self, manifest: Manifest) -> Digest:
+        """Store the index, point NAME:TAG at it, let the signer sign it."""
+        started = time.perf_counter()
+        index = encode_index(manifest)
+        self.events.phase_started("publish", len(index))
+        result = self.store.put_bytes(index)
+        crash_point("publish:index")
+        tag_package(self.store, self.request.name, self.request.tag, result.digest)
+        crash_point("publish:ref")
+        if self.sign is not None:
+            self.sign(self.store, result.digest, manifest)
+        status = "reused" if result.method == "existing" else "done"
+        self._finish("publish", status, started, len(index))
+        return result.digest
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def _phase(
+        self, name: str, inputs: Any, total: int, action: Callable[[], tuple[dict, int, list]]
+    ) -> dict[str, Any]:
+        """Run a phase, or take its outputs from the journal when its inputs are recorded."""
+        started = time.perf_counter()
+        self.events.phase_started(name, total)
+        key = inputs_digest(name, inputs)
+        record = self.journal.get(name, key) if self.reuse else None
+        if record is not None and all(self.store.has(Digest.parse(d)) for d in record["blobs"]):
+            self.events.advance(total)
+            self._finish(name, "reused", started, record["bytes"])
+            return record["outputs"]
+        outputs, nbytes, blobs = action()
+        self.journal.put(name, key, {"outputs": outputs, "bytes": nbytes, "blobs": blobs})
+        self._finish(name, "done", started, nbytes)
+        return outputs
+
+    def _empty_phase(self, name: str, inputs: Any, field_name: str) -> dict[str, Any]:
+        """tune and compile: real phases with recorded outputs, empty on a CPU host."""
+        return self._phase(name, inputs, 0, lambda: ({field_name: []}, 0, []))
+
+    def _finish(self, name: str, status: str, started: float, nbytes: int) -> None:
+        report = PhaseReport(name, status, time.perf_counter() - started, nbytes)
+        self.reports.append(report)
+        self.events.phase_finished(report)
+
+    def _build_inputs(self, files: dict, recipe: Recipe) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "recipe": _recipe_id(recipe),
+            "options": self.request.options(),
+            "files": {n: f["digest"] for n, f in sorted(files.items())},
+        }
+
+    def _inputs_digest(self, files: dict, recipe: Recipe) -> Digest:
+        return hash_bytes(canonical_json(self._build_inputs(files, recipe)).encode())
+
+    def _recorded(self) -> dict[str, Any]:
+        request = asdict(self.request)
+        return {k: str(v) if isinstance(v, Path) else v for k, v in request.items()}
+
+
+def _recipe_id(recipe: Recipe) -> dict[str, Any]:
+    return {"name": recipe.name, "version": recipe.version}
+
+
+def _digest_of(value: Any) -> str:
+    return str(hash_bytes(canonical_json(value).encode()))

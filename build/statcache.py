@@ -1,0 +1,82 @@
+"""Source file digests, remembered by a stat record the way git's index remembers files.
+
+A file whose device, inode, size, mtime and ctime equal its record is not read again. A
+record taken within a second of the file's last change is not trusted (the file could still
+change within the same timestamp), so such a file is hashed again next time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from flare.store.backends.local import write_file_atomic
+from flare.store.digest import Digest
+from flare.store.hashing import FileState, Progress, hash_bytes, hash_file_state, parallel_map
+
+RACY_WINDOW_NS = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class StatRecord:
+    """What a file looked like when it was hashed, and its digest."""
+
+    path: str
+    state: FileState
+    digest: str
+    recorded_ns: int
+
+
+class StatCache:
+    """Stat records under a folder of the staging area, one small file per source path."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def _record_path(self, path: Path) -> Path:
+        return self.folder / f"{hash_bytes(str(path).encode()).hex[:32]}.json"
+
+    def lookup(self, path: Path, state: FileState) -> Digest | None:
+        """The recorded digest when the file is unchanged since a trustworthy record."""
+        try:
+            data = json.loads(self._record_path(path).read_text())
+            record = StatRecord(
+                data["path"], FileState(**data["state"]), data["digest"], data["recorded_ns"]
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        racy = record.recorded_ns - state.mtime_ns < RACY_WINDOW_NS
+        if record.path != str(path) or record.state != state or racy:
+            return None
+        return Digest.parse(record.digest)
+
+    def remember(self, path: Path, state: FileState, digest: Digest) -> None:
+        record = StatRecord(str(path), state, str(digest), time.time_ns())
+        write_file_atomic(self._record_path(path), json.dumps(asdict(record)).encode())
+
+
+def digest_files(
+    paths: Sequence[Path],
+    cache: StatCache,
+    rehash: bool = False,
+    workers: int | None = None,
+    progress: Progress | None = None,
+) -> list[tuple[Digest, int]]:
+    """Digest and size of each file: from its stat record where valid, else hashed in parallel."""
+
+    def one(path: Path) -> tuple[Digest, int]:
+        state = FileState.of(os.stat(path))
+        known = None if rehash else cache.lookup(path, state)
+        if known is not None:
+            if progress:
+                progress(state.size)
+            return known, state.size
+        digest, seen = hash_file_state(path, progress=progress)
+        cache.remember(path, seen, digest)
+        return digest, seen.size
+
+    return parallel_map(one, paths, workers)

@@ -1,0 +1,227 @@
+"""The package index: a safetensors file with no tensors whose metadata holds the manifest.
+
+The manifest is canonical JSON (sorted keys, no whitespace, no timestamps, host names or
+absolute paths), so the same build inputs always give the same index bytes and therefore the
+same package digest. Everything read is validated before it is used.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from flare.store.digest import Digest
+from flare.store.errors import InvalidInputError
+from flare.store.safetensors import (
+    DTYPE_SIZES,
+    FormatError,
+    Header,
+    encode_header,
+    read_header,
+)
+
+FORMAT_VERSION = 1
+RUNTIME_ABI = 1
+"""Bumped whenever the runtime's reading of payloads or artifacts changes incompatibly."""
+MANIFEST_KEY = "flare.manifest"
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+
+
+def check_name(name: str, what: str = "package name") -> str:
+    """Names and tags: lowercase letters, digits, `.`, `_`, `-`; at most 128 characters."""
+    if not _NAME.match(name):
+        raise InvalidInputError(
+            f"bad {what} {name!r}", "use lowercase letters, digits, '.', '_' and '-' (max 128)"
+        )
+    return name
+
+
+def check_relative_path(path: str) -> str:
+    """A file name inside a package: relative, POSIX, and unable to escape its folder."""
+    parts = path.split("/")
+    if (
+        not path
+        or path.startswith("/")
+        or "\\" in path
+        or "\x00" in path
+        or any(part in ("", ".", "..") for part in parts)
+    ):
+        raise ValueError(f"unsafe path {path!r}: must be relative, without '..' or empty parts")
+    return path
+
+
+def _digest(value: str) -> str:
+    return str(Digest.parse(value)) if value.startswith("blake3:") else _bad_digest(value)
+
+
+def _bad_digest(value: str) -> str:
+    raise ValueError(f"not a digest: {value!r}")
+
+
+def _dtype(value: str) -> str:
+    if value not in DTYPE_SIZES:
+        raise ValueError(f"unknown dtype {value!r}")
+    return value
+
+
+DigestText = Annotated[str, AfterValidator(_digest)]
+SafePath = Annotated[str, AfterValidator(check_relative_path)]
+Count = Annotated[int, Field(ge=0)]
+
+
+class Strict(BaseModel):
+    """Every manifest object: unknown fields refused, immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class SourceFile(Strict):
+    path: SafePath
+    digest: DigestText
+    size: Count
+
+
+class Model(Strict):
+    id: str = Field(min_length=1, max_length=256)
+    revision: str | None
+    files: tuple[SourceFile, ...]
+
+
+class Recipe(Strict):
+    name: str
+    version: Annotated[int, Field(ge=1)]
+    architecture: str
+
+
+class Toolchain(Strict):
+    runtime_abi: Annotated[int, Field(ge=1)]
+    torch: str | None = None
+    cuda: str | None = None
+    gpu_archs: tuple[str, ...] = ()
+    flashinfer: str | None = None
+
+
+class Split(Strict):
+    """How a tensor was cut for tensor parallelism: part `index` of `parts` along `dim`."""
+
+    dim: Count
+    parts: Annotated[int, Field(ge=2)]
+    index: Count
+
+
+class PayloadTensor(Strict):
+    name: str = Field(min_length=1)
+    dtype: Annotated[str, AfterValidator(_dtype)]
+    shape: tuple[Count, ...]
+    split: Split | None = None
+
+
+class Payload(Strict):
+    """A blob that is itself a safetensors file, used by the listed ranks."""
+
+    digest: DigestText
+    size: Count
+    ranks: tuple[Count, ...] = Field(min_length=1)
+    tensors: tuple[PayloadTensor, ...] = Field(min_length=1)
+
+
+class Artifact(Strict):
+    """Another file of the package: tokenizer, chat template, config, tuning records, ..."""
+
+    kind: str
+    path: SafePath
+    digest: DigestText
+    size: Count
+
+
+class Manifest(Strict):
+    format: int
+    name: str
+    model: Model
+    recipe: Recipe
+    options: dict[str, Any]
+    ranks: Annotated[int, Field(ge=1)]
+    toolchain: Toolchain
+    payloads: tuple[Payload, ...]
+    artifacts: tuple[Artifact, ...]
+    inputs: DigestText
+    """The digest of the build inputs: source file digests, recipe, options, format."""
+
+    def blobs(self) -> list[Digest]:
+        """Every blob the package needs besides its index, each once."""
+        digests = [p.digest for p in self.payloads] + [a.digest for a in self.artifacts]
+        return [Digest.parse(d) for d in sorted(set(digests))]
+
+    def total_size(self) -> int:
+        return sum(p.size for p in self.payloads) + sum(a.size for a in self.artifacts)
+
+
+def canonical_json(data: Any) -> str:
+    """Sorted keys, no insignificant whitespace: one text for one value."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def encode_index(manifest: Manifest) -> bytes:
+    """The index file's bytes: a safetensors header with the manifest and no tensors."""
+    text = canonical_json(manifest.model_dump(mode="json"))
+    return encode_header([], {MANIFEST_KEY: text})
+
+
+def decode_index(data: bytes, where: str) -> Manifest:
+    """Read and validate an index; refuse formats this flare does not know."""
+    header = read_header(io.BytesIO(data), len(data), where)
+    if header.tensors or set(header.metadata) != {MANIFEST_KEY}:
+        raise FormatError(f"{where} is not a flare package index", "check the digest")
+    text = header.metadata[MANIFEST_KEY]
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FormatError(f"{where}: the manifest is not JSON: {exc}") from exc
+    _check_format(raw, where)
+    try:
+        manifest = Manifest.model_validate_json(text)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        location = ".".join(str(part) for part in first["loc"])
+        raise FormatError(f"{where}: manifest field {location}: {first['msg']}") from exc
+    _check_payload_ranks(manifest, where)
+    return manifest
+
+
+def _check_format(raw: object, where: str) -> None:
+    version = raw.get("format") if isinstance(raw, dict) else None
+    if not isinstance(version, int):
+        raise FormatError(f"{where}: the manifest has no format version")
+    if version > FORMAT_VERSION:
+        raise FormatError(
+            f"{where} uses package format {version}; this flare reads format {FORMAT_VERSION}",
+            "upgrade flare",
+        )
+    if version != FORMAT_VERSION:
+        raise FormatError(f"{where} uses unknown package format {version}")
+
+
+def _check_payload_ranks(manifest: Manifest, where: str) -> None:
+    for payload in manifest.payloads:
+        if any(rank >= manifest.ranks for rank in payload.ranks):
+            raise FormatError(f"{where}: payload {payload.digest} names a rank >= {manifest.ranks}")
+
+
+def check_payload(header: Header, payload: Payload, where: str) -> None:
+    """A payload's safetensors header must hold exactly the tensors the manifest lists."""
+    listed = {t.name: t for t in payload.tensors}
+    if set(header.tensors) != set(listed):
+        missing = sorted(set(listed) - set(header.tensors))[:3]
+        extra = sorted(set(header.tensors) - set(listed))[:3]
+        raise FormatError(f"{where} does not match its manifest (missing {missing}, extra {extra})")
+    for name, entry in header.tensors.items():
+        want = listed[name]
+        if entry.dtype != want.dtype or entry.shape != want.shape:
+            raise FormatError(
+                f"{where}: tensor {name} is {entry.dtype}{list(entry.shape)}, "
+                f"the manifest says {want.dtype}{list(want.shape)}"
+            )
