@@ -25,10 +25,17 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from flare.build.check import CheckResult, check_build
 from flare.build.pipeline import Build, BuildRequest, BuildResult, PhaseReport
-from flare.config import load_config
+from flare.config import load_config, parse_size
 from flare.store import BlobStore, Digest
-from flare.store.errors import FlareError, IntegrityError, NotFoundError, from_os_error
+from flare.store.errors import (
+    FlareError,
+    IntegrityError,
+    InvalidInputError,
+    NotFoundError,
+    from_os_error,
+)
 from flare.store.hashing import Progress as Advance
 
 out = Console(highlight=False, soft_wrap=True)
@@ -147,19 +154,39 @@ class BuildProgress:
 
 @app.command("build")
 def build_command(
-    source: Annotated[str, typer.Argument(help="Checkpoint folder, or ORG/NAME[@REVISION].")],
-    name: Annotated[str, typer.Option(help="Package name.")],
+    source: Annotated[
+        str | None, typer.Argument(help="Checkpoint folder, or ORG/NAME[@REVISION].")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Package name.")] = None,
     tag: Annotated[str, typer.Option(help="Tag to point at the package.")] = "latest",
     ranks: Annotated[int, typer.Option(min=1, help="Tensor-parallel ranks.")] = 1,
-    model_id: Annotated[
-        str | None, typer.Option(help="Model id (default: from the source).")
-    ] = None,
+    model_id: Annotated[str | None, typer.Option(help="Model id (default: the source's).")] = None,
+    payload_size: Annotated[str, typer.Option(help="Target payload blob size.")] = "256M",
     registry: Annotated[str | None, typer.Option(help="Registry (default: the config's).")] = None,
     rehash: Annotated[bool, typer.Option(help="Hash every source file again.")] = False,
+    check: Annotated[
+        str | None, typer.Option(help="Rebuild REF from its recorded inputs and compare.")
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Build a package from a checkpoint, resumably, and publish it to the registry."""
     config = load_config()
+    store = open_store(registry)
+    progress = BuildProgress()
+    if check is not None:
+        with progress.bar:
+            checked = check_build(
+                store,
+                check,
+                config["paths.export_staging"],
+                config["paths.hub_cache"],
+                progress,
+                source,
+            )
+        _print_check(check, checked, as_json)
+        return
+    if source is None or name is None:
+        raise InvalidInputError("flare build needs SOURCE and --name", "see flare build --help")
     request = BuildRequest(
         source=source,
         name=name,
@@ -167,13 +194,40 @@ def build_command(
         ranks=ranks,
         model_id=model_id,
         rehash=rehash,
+        payload_bytes=parse_size(payload_size),
         staging=config["paths.export_staging"],
         hub_cache=config["paths.hub_cache"],
     )
-    progress = BuildProgress()
     with progress.bar:
-        result = Build(request, open_store(registry), progress).run()
+        result = Build(request, store, progress).run()
     _print_build(result, as_json)
+
+
+def _print_check(ref: str, checked: CheckResult, as_json: bool) -> None:
+    if as_json:
+        print_json(
+            {
+                "ref": ref,
+                "digest": str(checked.digest),
+                "rebuilt": str(checked.rebuilt),
+                "identical": checked.identical,
+                "source_files": checked.source_files,
+                "payloads": checked.payloads,
+            }
+        )
+    elif checked.identical:
+        out.print(f"identical: {ref} rebuilds to {checked.rebuilt}")
+    else:
+        out.print(f"DIFFERENT: {ref} is {checked.digest}, its inputs rebuild to {checked.rebuilt}")
+        for path in checked.source_files:
+            out.print(f"  source file changed: {path}")
+        for payload in checked.payloads:
+            out.print(
+                f"  payload not reproduced: {payload['digest']} ranks {payload['ranks']} "
+                f"(first tensor {payload['first_tensor']})"
+            )
+    if not checked.identical:
+        raise typer.Exit(IntegrityError.exit_code)
 
 
 def _print_build(result: BuildResult, as_json: bool) -> None:

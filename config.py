@@ -25,7 +25,7 @@ def parse_size(text: str | int) -> int:
         return text
     match = _SIZE.match(str(text))
     if not match:
-        raise ValueError(f"not a size: {text!r} (use e.g. 512M, 4G, 4GiB)")
+        raise InvalidInputError(f"not a size: {text!r}", "use e.g. 512M, 4G or 4GiB")
     number, unit, _ = match.groups()
     return int(float(number) * 1024 ** _UNITS[unit.lower()])
 

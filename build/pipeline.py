@@ -155,7 +155,7 @@ class Build:
             name: {"digest": str(d), "size": size}
             for name, (d, size) in zip(source.files, digests, strict=True)
         }
-        self._finish("resolve", "done", started, total)
+        self._finish("resolve", "done" if cache.hashed else "reused", started, total)
         return source, files, recipe, config
 
     def _load(self, files: dict, recipe: Recipe, config: dict) -> dict[str, SourceTensor]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -36,6 +37,9 @@ class StatCache:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        self.hashed = 0
+        """Files hashed (not known from their records) by this cache's users."""
+        self._lock = threading.Lock()
 
     def _record_path(self, path: Path) -> Path:
         return self.folder / f"{hash_bytes(str(path).encode()).hex[:32]}.json"
@@ -77,6 +81,8 @@ def digest_files(
             return known, state.size
         digest, seen = hash_file_state(path, progress=progress)
         cache.remember(path, seen, digest)
+        with cache._lock:
+            cache.hashed += 1
         return digest, seen.size
 
     return parallel_map(one, paths, workers)

@@ -1,0 +1,97 @@
+"""`flare build --check REF`: rebuild a package from its recorded inputs and compare.
+
+The rebuild runs every phase afresh (no journal reuse, every source file hashed again) into
+a scratch store, so the registry is not touched; like `nix build --check`, it says the
+package is reproducible or lists what differs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flare.build.journal import Journal
+from flare.build.pipeline import Build, BuildRequest, Events
+from flare.registry.refs import read_manifest, resolve_package
+from flare.store.blobs import BlobStore
+from flare.store.digest import Digest
+from flare.store.errors import NotFoundError
+from flare.store.package import Manifest
+
+
+@dataclass
+class CheckResult:
+    """The package checked, the digest its inputs rebuild to, and what differs."""
+
+    digest: Digest
+    rebuilt: Digest
+    source_files: list[str] = field(default_factory=list)
+    """Source files whose digests differ from the recorded ones."""
+    payloads: list[dict[str, object]] = field(default_factory=list)
+    """Payloads of the package that the rebuild did not produce."""
+
+    @property
+    def identical(self) -> bool:
+        return self.digest == self.rebuilt
+
+
+def check_build(
+    store: BlobStore,
+    ref: str,
+    staging: Path,
+    hub_cache: Path,
+    events: Events,
+    source: str | None = None,
+) -> CheckResult:
+    """Rebuild REF from its recorded inputs in a scratch area and compare the results."""
+    _, digest = resolve_package(store, ref)
+    manifest = read_manifest(store, digest)
+    source = source or _recorded_source(staging, manifest, ref)
+    scratch = Path(tempfile.mkdtemp(prefix="check-", dir=_ensure(staging)))
+    try:
+        request = BuildRequest(
+            source=source,
+            name=manifest.name,
+            staging=scratch / "staging",
+            hub_cache=hub_cache,
+            ranks=manifest.ranks,
+            model_id=manifest.model.id,
+            rehash=True,
+            payload_bytes=int(manifest.options["payload_bytes"]),
+        )
+        rebuilt = Build(request, BlobStore(scratch / "store"), events, reuse=False).run()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return _compare(digest, manifest, rebuilt.digest, rebuilt.manifest)
+
+
+def _ensure(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _recorded_source(staging: Path, manifest: Manifest, ref: str) -> str:
+    record = Journal(staging).get("builds", Digest.parse(manifest.inputs))
+    if record is None:
+        raise NotFoundError(
+            f"{ref} was not built on this host, so its source is not recorded here",
+            f"pass the checkpoint: flare build SOURCE --check {ref}",
+        )
+    return str(record["source"])
+
+
+def _compare(digest: Digest, old: Manifest, rebuilt: Digest, new: Manifest) -> CheckResult:
+    result = CheckResult(digest, rebuilt)
+    new_files = {f.path: f.digest for f in new.model.files}
+    result.source_files = sorted(
+        f.path for f in old.model.files if new_files.get(f.path) != f.digest
+    ) + sorted(set(new_files) - {f.path for f in old.model.files})
+    produced = {p.digest for p in new.payloads}
+    result.payloads = [
+        {"digest": p.digest, "ranks": list(p.ranks), "first_tensor": p.tensors[0].name}
+        for p in old.payloads
+        if p.digest not in produced
+    ]
+    return result
