@@ -29,6 +29,7 @@ from flare.build.check import CheckResult, check_build
 from flare.build.pipeline import Build, BuildRequest, BuildResult, PhaseReport
 from flare.config import load_config, parse_size
 from flare.store import BlobStore, Digest
+from flare.store.digest import parse_prefix
 from flare.store.errors import (
     FlareError,
     IntegrityError,
@@ -38,7 +39,7 @@ from flare.store.errors import (
 )
 from flare.store.hashing import Progress as Advance
 
-out = Console(highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 _state = {"debug": bool(os.environ.get("FLARE_DEBUG"))}
 
@@ -101,10 +102,13 @@ def progress_bar(description: str, total: int) -> Iterator[Advance]:
         yield lambda n: bar.advance(task, n)
 
 
-def open_store(location: str | None) -> BlobStore:
+def open_store(location: str | None, existing: bool = False) -> BlobStore:
     """The store a command acts on: --store, else the configured registry's."""
     config = load_config()
-    return BlobStore(location or config.registry, config.store_encoding, config.zstd_level)
+    store = BlobStore(location or config.registry, config.store_encoding, config.zstd_level)
+    if existing:
+        store.require_existing()
+    return store
 
 
 def input_bytes(paths: Sequence[Path]) -> int:
@@ -295,21 +299,22 @@ def store_get(
     as_json: JsonOption = False,
 ) -> None:
     """Write a blob's content to a file, verified against its digest."""
-    blobs = open_store(store)
+    parse_prefix(digest)  # a malformed digest is the first thing to report
+    blobs = open_store(store, existing=True)
     resolved = blobs.resolve(digest)
     info = blobs.require(resolved)
     with progress_bar("get", blobs.plain_size(info)) as advance:
-        size = blobs.get(resolved, dest, progress=advance)
+        written, size = blobs.get(resolved, dest, progress=advance)
     if as_json:
-        print_json({"digest": str(resolved), "dest": str(dest), "size": size})
+        print_json({"digest": str(resolved), "dest": str(written), "size": size})
     else:
-        out.print(f"wrote {dest} ({decimal(size)}, verified {resolved.short()})")
+        out.print(f"wrote {written} ({decimal(size)}, verified {resolved.short()})")
 
 
 @store_app.command("ls")
 def store_ls(store: StoreOption = None, as_json: JsonOption = False) -> None:
     """List the blobs in the store."""
-    blobs = open_store(store)
+    blobs = open_store(store, existing=True)
     infos = sorted(blobs.iter_blobs(), key=lambda i: i.digest)
     if as_json:
         print_json([{**asdict(i), "digest": str(i.digest)} for i in infos])
@@ -324,7 +329,7 @@ def store_ls(store: StoreOption = None, as_json: JsonOption = False) -> None:
 @store_app.command("du")
 def store_du(store: StoreOption = None, as_json: JsonOption = False) -> None:
     """Show what the store holds and the free space beside it."""
-    blobs = open_store(store)
+    blobs = open_store(store, existing=True)
     usage = blobs.usage()
     if as_json:
         print_json({"location": blobs.location, **asdict(usage)})
@@ -355,20 +360,30 @@ def store_verify(
     as_json: JsonOption = False,
 ) -> None:
     """Re-hash blobs in parallel; quarantine corrupt ones. Exit 6 if corrupt, 3 if missing."""
-    blobs = open_store(store)
-    wanted = [Digest.parse(d) for d in digests] if digests else None
+    blobs = open_store(store, existing=True)
+    wanted = [_verify_target(blobs, d) for d in digests] if digests else None
     infos = [blobs.locate(d) for d in wanted] if wanted else list(blobs.iter_blobs())
     total = sum(i.stored_size for i in infos if i)
     with progress_bar("verify", total) as advance:
         report = blobs.verify(wanted, workers=workers, progress=advance)
     if as_json:
-        print_json({**asdict(report), "ok": report.ok})
+        fields = {
+            **asdict(report),
+            "corrupt": [str(d) for d in report.corrupt],
+            "missing": [str(d) for d in report.missing],
+        }
+        print_json({**fields, "ok": report.ok})
     else:
         _print_verify(report)
     if report.corrupt:
         raise typer.Exit(IntegrityError.exit_code)
     if report.missing:
         raise typer.Exit(NotFoundError.exit_code)
+
+
+def _verify_target(blobs: BlobStore, text: str) -> Digest:
+    """A full digest is checked even when absent (reported missing); a prefix must resolve."""
+    return Digest.parse(text) if len(text.removeprefix("blake3:")) == 64 else blobs.resolve(text)
 
 
 def _print_verify(report: Any) -> None:

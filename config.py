@@ -21,8 +21,8 @@ _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 def parse_size(text: str | int) -> int:
     """Bytes from `4G`, `512MiB`, `1.5T` or a plain number (units are powers of 1024)."""
-    if isinstance(text, int):
-        return text
+    if isinstance(text, bool) or not isinstance(text, str | int):
+        raise InvalidInputError(f"not a size: {text!r}", "use e.g. 512M, 4G or 4GiB")
     match = _SIZE.match(str(text))
     if not match:
         raise InvalidInputError(f"not a size: {text!r}", "use e.g. 512M, 4G or 4GiB")
@@ -51,15 +51,15 @@ class Setting:
     key: str
     env: str
     parse: Callable[[Any], Any]
-    default: Callable[[Path], Any]
+    default: Callable[[Path, Mapping[str, str]], Any]
     help: str
 
 
-def _hub_cache_default(_home: Path) -> str:
+def _hub_cache_default(_home: Path, env: Mapping[str, str]) -> str:
     """The Hugging Face cache, where checkpoints already are (it is read, never written)."""
-    if cache := os.environ.get("HF_HUB_CACHE"):
+    if cache := env.get("HF_HUB_CACHE"):
         return cache
-    hf_home = os.environ.get("HF_HOME", "~/.cache/huggingface")
+    hf_home = env.get("HF_HOME") or "~/.cache/huggingface"
     return f"{hf_home}/hub"
 
 
@@ -75,49 +75,49 @@ SETTINGS: tuple[Setting, ...] = (
         "paths.kernel_cache",
         "FLARE_KERNEL_CACHE",
         _path,
-        lambda h: h / "kernels",
+        lambda h, _e: h / "kernels",
         "compiled kernels and tuning records (keep it on a local disk)",
     ),
     Setting(
         "paths.package_cache",
         "FLARE_PACKAGE_CACHE",
         _path,
-        lambda h: h / "packages",
+        lambda h, _e: h / "packages",
         "this host's cache of pulled packages",
     ),
     Setting(
         "paths.export_staging",
         "FLARE_EXPORT_STAGING",
         _path,
-        lambda h: h / "staging",
+        lambda h, _e: h / "staging",
         "build staging area and journals",
     ),
     Setting(
         "paths.registry",
         "FLARE_REGISTRY",
         _location,
-        lambda h: h / "registry",
+        lambda h, _e: h / "registry",
         "the registry: a folder, a NAS mount or an fsspec URL",
     ),
     Setting(
         "memory.reserve",
         "FLARE_MEMORY_RESERVE",
         parse_size,
-        lambda _h: "4G",
+        lambda _h, _e: "4G",
         "device memory left free when serving",
     ),
     Setting(
         "store.encoding",
         "FLARE_STORE_ENCODING",
         Encoding.from_name,
-        lambda _h: "plain",
+        lambda _h, _e: "plain",
         "how new blobs are kept: plain or zstd",
     ),
     Setting(
         "store.zstd_level",
         "FLARE_STORE_ZSTD_LEVEL",
         _level,
-        lambda _h: 3,
+        lambda _h, _e: 3,
         "zstd level for new blobs when encoding is zstd",
     ),
 )
@@ -154,6 +154,14 @@ class Config:
     @property
     def zstd_level(self) -> int:
         return self["store.zstd_level"]
+
+
+def flare_home(env: Mapping[str, str]) -> Path:
+    """FLARE_HOME, else flare under XDG_DATA_HOME (default ~/.local/share)."""
+    if home := env.get("FLARE_HOME"):
+        return Path(home).expanduser().absolute()
+    data = env.get("XDG_DATA_HOME") or "~/.local/share"
+    return (Path(data).expanduser() / "flare").absolute()
 
 
 def config_file(env: Mapping[str, str]) -> Path:
@@ -196,10 +204,10 @@ def _parse(setting: Setting, raw: Any, source: str) -> Value:
 
 def load_config(env: Mapping[str, str] | None = None) -> Config:
     """The effective config: environment over config file over defaults."""
-    env = os.environ if env is None else env
+    env = {k: v for k, v in (os.environ if env is None else env).items() if v != ""}
     path = config_file(env)
     from_file = read_file(path, required="FLARE_CONFIG" in env)
-    home = Path(env.get("FLARE_HOME") or "~/.local/share/flare").expanduser().absolute()
+    home = flare_home(env)
     values = {}
     for setting in SETTINGS:
         if setting.env in env:
@@ -210,6 +218,8 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
                 raw = str(path.parent / Path(str(raw)).expanduser())
             values[setting.key] = _parse(setting, raw, f"file {path}")
         else:
-            source = "default (FLARE_HOME)" if "FLARE_HOME" in env else "default"
-            values[setting.key] = _parse(setting, setting.default(home), source)
+            source = (
+                "default (Hugging Face cache)" if setting.key == "paths.hub_cache" else "default"
+            )
+            values[setting.key] = _parse(setting, setting.default(home, env), source)
     return Config(file=path, home=home, values=values)

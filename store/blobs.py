@@ -26,7 +26,13 @@ from flare.store.encoding import (
     zstd_plain_size,
     zstd_writer,
 )
-from flare.store.errors import FlareError, IntegrityError, NotFoundError, from_os_error
+from flare.store.errors import (
+    FlareError,
+    IntegrityError,
+    InvalidInputError,
+    NotFoundError,
+    from_os_error,
+)
 from flare.store.hashing import (
     FileState,
     Progress,
@@ -186,6 +192,11 @@ class BlobStore:
         )
         return resolve_prefix(prefix, candidates, self.location)
 
+    def require_existing(self) -> None:
+        """Refuse to read a store that is not there (a mistyped path), rather than show nothing."""
+        if not self.backend.list_dir(""):
+            raise NotFoundError(f"no store at {self.location}", "check the path, or put something")
+
     def require(self, digest: Digest) -> BlobInfo:
         """The stored blob, or a NotFoundError that says where we looked."""
         info = self.locate(digest)
@@ -218,9 +229,10 @@ class BlobStore:
     ) -> PutResult:
         """Store a file: linked where the store and file share a filesystem, else copied."""
         path = Path(path)
+        if not path.exists():
+            raise NotFoundError(f"no such file: {path}", "check the path")
         if not path.is_file():
-            what = "not a regular file" if path.exists() else "no such file"
-            raise NotFoundError(f"{what}: {path}", "check the path")
+            raise InvalidInputError(f"not a regular file: {path}", "store files or folders")
         if link and self.encoding is Encoding.PLAIN:
             linked = self._put_linked(path, progress)
             if linked is not None:
@@ -381,8 +393,9 @@ class BlobStore:
         self._check_digest(digest, hex_digest)
         return sink.getvalue()
 
-    def get(self, digest: Digest, dest: Path, progress: Progress | None = None) -> int:
-        """Write the blob's content to `dest` atomically, verified while copied; return its size."""
+    def get(self, digest: Digest, dest: Path, progress: Progress | None = None) -> tuple[Path, int]:
+        """Write the blob's content to `dest` (a file, or a folder to write into) atomically,
+        verified while copied; return the file written and its size."""
         dest = Path(dest)
         if dest.is_dir():
             dest = dest / digest.hex
@@ -398,7 +411,7 @@ class BlobStore:
             raise from_os_error(exc, "write", dest) from exc
         finally:
             partial.unlink(missing_ok=True)
-        return total
+        return dest, total
 
     def _check_digest(self, digest: Digest, hex_digest: str) -> None:
         if hex_digest != digest.hex:

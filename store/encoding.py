@@ -35,7 +35,7 @@ class Encoding(StrEnum):
     def from_name(cls, name: str) -> Encoding:
         """Parse an encoding name from a setting or an option."""
         try:
-            return cls(name.strip().lower())
+            return cls(str(name).strip().lower())
         except ValueError:
             raise InvalidInputError(
                 f"unknown blob encoding {name!r}", "use one of: plain, zstd"

@@ -33,7 +33,7 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 
 def check_name(name: str, what: str = "package name") -> str:
     """Names and tags: lowercase letters, digits, `.`, `_`, `-`; at most 128 characters."""
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):  # match's `$` would let a trailing newline through
         raise InvalidInputError(
             f"bad {what} {name!r}", "use lowercase letters, digits, '.', '_' and '-' (max 128)"
         )
@@ -55,7 +55,12 @@ def check_relative_path(path: str) -> str:
 
 
 def _digest(value: str) -> str:
-    return str(Digest.parse(value)) if value.startswith("blake3:") else _bad_digest(value)
+    if not value.startswith("blake3:"):
+        return _bad_digest(value)
+    try:
+        return str(Digest.parse(value))
+    except InvalidInputError as exc:  # pydantic reports only ValueError as a field error
+        raise ValueError(exc.what) from exc
 
 
 def _bad_digest(value: str) -> str:
@@ -179,7 +184,7 @@ def decode_index(data: bytes, where: str) -> Manifest:
     text = header.metadata[MANIFEST_KEY]
     try:
         raw = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:  # bad JSON, a huge number, deep nesting
         raise FormatError(f"{where}: the manifest is not JSON: {exc}") from exc
     _check_format(raw, where)
     try:

@@ -80,8 +80,8 @@ def read_header(handle: BinaryIO, file_size: int, where: str) -> Header:
     if len(raw) < length:
         raise FormatError(f"{where} is truncated inside its header", "rebuild or re-fetch it")
     try:
-        parsed = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        parsed = json.loads(raw.decode("utf-8"))  # the format says UTF-8; json would guess
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, a huge number, deep nesting
         raise FormatError(f"{where} has a header that is not JSON: {exc}") from exc
     return parse_header(parsed, 8 + length, file_size, where)
 
@@ -90,7 +90,9 @@ def parse_header(parsed: object, data_offset: int, file_size: int, where: str) -
     """Validate a decoded header against the size of the file it came from."""
     if not isinstance(parsed, dict):
         raise FormatError(f"{where}: the header is not a JSON object")
-    metadata = parsed.pop("__metadata__", None) or {}
+    metadata = parsed.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
@@ -106,7 +108,7 @@ def _entry(name: object, spec: object, where: str) -> TensorEntry:
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
         raise FormatError(f"{where}: tensor {name} needs exactly dtype, shape and data_offsets")
     dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise FormatError(f"{where}: tensor {name} has unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise FormatError(f"{where}: tensor {name} has a bad shape {shape!r}")

@@ -307,7 +307,8 @@ def test_memory_backend_through_fsspec(tmp_path: Path) -> None:
     assert other.method == "copy"
     assert remote.read_bytes(result.digest) == data
     assert remote.resolve(result.digest.hex[:10]) == result.digest
-    assert remote.get(other.digest, tmp_path / "out.bin") == len(data) + 1
+    assert remote.get(other.digest, tmp_path) == (tmp_path / other.digest.hex, len(data) + 1)
+    assert remote.get(other.digest, tmp_path / "out.bin")[1] == len(data) + 1
     assert (tmp_path / "out.bin").read_bytes() == data + b"!"
     assert remote.verify().ok and remote.usage().blobs == 2
     local = BlobStore(tmp_path / "local")

@@ -111,7 +111,7 @@ def test_corrupt_blob_is_refused_then_quarantined(run_flare: RunFlare, tmp_path:
 
     verified = run_flare("store", "verify", "--json")
     report = json.loads(verified.stdout)
-    assert verified.returncode == CORRUPT and report["corrupt"] == [{"hex": hex_digest}]
+    assert verified.returncode == CORRUPT and report["corrupt"] == [digest]
     assert not blob.exists() and (tmp_path / "home/registry" / report["quarantined"][0]).exists()
 
     missing = run_flare("store", "verify", digest)

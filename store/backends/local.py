@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import io
 import os
@@ -77,6 +78,36 @@ def write_file_atomic(path: Path, data: bytes) -> None:
         raise from_os_error(exc, "write", path) from exc
 
 
+def make_dir_durable(path: Path) -> None:
+    """Create a folder (and parents) so that a crash cannot lose its entry."""
+    if path.is_dir():
+        return
+    make_dir_durable(path.parent)
+    try:
+        path.mkdir()
+    except FileExistsError:
+        return
+    fsync_dir(path.parent)
+
+
+def publish_no_clobber(temp: Path, dest: Path) -> bool:
+    """Give the temp file its final name only if that name is free; False if it was taken.
+
+    A hardlink fails atomically when the name exists, so of two racing writers exactly one
+    publishes and nobody replaces a blob another host may be reading. Where links are not
+    supported, fall back to rename (the content is the same by construction).
+    """
+    try:
+        os.link(temp, dest)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+            raise
+        os.replace(temp, dest)
+    return True
+
+
 def temp_name() -> str:
     """A unique temp file name that says which host and process writes it."""
     host = socket.gethostname().replace(".", "_") or "host"
@@ -120,7 +151,7 @@ class LocalBackend:
     def create_temp(self) -> TempFile:
         path = self.root / TMP_DIR / temp_name()
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             raise from_os_error(exc, "create a temporary file in", path.parent) from exc
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -166,14 +197,14 @@ class LocalBackend:
             fd = temp.file.fileno()
             os.fsync(fd)
             os.fchmod(fd, 0o444)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(temp.path, dest)
+            make_dir_durable(dest.parent)
+            published = publish_no_clobber(temp.path, dest)
             fsync_dir(dest.parent)
         except OSError as exc:
             self.discard(temp)
             raise from_os_error(exc, "publish a blob at", dest) from exc
-        temp.file.close()
-        return True
+        self.discard(temp)
+        return published
 
     def discard(self, temp: TempFile) -> None:
         temp.file.close()
