@@ -15,9 +15,11 @@ def crash_point(name: str) -> None:
     wanted = os.environ.get("FLARE_CRASH_AT")
     if not wanted:
         return
-    target, _, count = wanted.partition(":")
+    target, _, count = wanted.rpartition(":")
+    if not count.isdigit():
+        target, count = wanted, "1"
     if target != name:
         return
     _reached[name] += 1
-    if _reached[name] == int(count or 1):
+    if _reached[name] == int(count):
         os.kill(os.getpid(), signal.SIGKILL)

@@ -58,6 +58,10 @@ class StatCache:
             return None
         return Digest.parse(record.digest)
 
+    def count_hashed(self) -> None:
+        with self._lock:
+            self.hashed += 1
+
     def remember(self, path: Path, state: FileState, digest: Digest) -> None:
         record = StatRecord(str(path), state, str(digest), time.time_ns())
         write_file_atomic(self._record_path(path), json.dumps(asdict(record)).encode())
@@ -81,8 +85,7 @@ def digest_files(
             return known, state.size
         digest, seen = hash_file_state(path, progress=progress)
         cache.remember(path, seen, digest)
-        with cache._lock:
-            cache.hashed += 1
+        cache.count_hashed()
         return digest, seen.size
 
     return parallel_map(one, paths, workers)
