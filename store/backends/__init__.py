@@ -6,9 +6,8 @@ from pathlib import Path
 
 from flare.store.backends.base import Backend, StoredFile, TempFile
 from flare.store.backends.local import LocalBackend
-from flare.store.backends.remote import FsspecBackend
 
-__all__ = ["Backend", "FsspecBackend", "LocalBackend", "StoredFile", "TempFile", "open_backend"]
+__all__ = ["Backend", "LocalBackend", "StoredFile", "TempFile", "open_backend"]
 
 
 def open_backend(location: str | Path) -> Backend:
@@ -17,5 +16,7 @@ def open_backend(location: str | Path) -> Backend:
     if text.startswith("file://"):
         text = text.removeprefix("file://")
     if "://" in text:
+        from flare.store.backends.remote import FsspecBackend  # fsspec costs 50 ms to import
+
         return FsspecBackend(text)
     return LocalBackend(Path(text).expanduser().absolute())
