@@ -27,6 +27,7 @@ from rich.table import Table
 
 from flare.build.check import CheckResult, check_build
 from flare.build.pipeline import Build, BuildRequest, BuildResult, PhaseReport
+from flare.build.tiny import make_tiny_llama
 from flare.config import load_config, parse_size
 from flare.store import BlobStore, Digest
 from flare.store.digest import parse_prefix
@@ -253,6 +254,33 @@ def _print_build(result: BuildResult, as_json: bool) -> None:
 
 def _rate(nbytes: int, seconds: float) -> str:
     return f"{decimal(int(nbytes / seconds))}/s" if nbytes and seconds > 0 else ""
+
+
+# -- flare demo -------------------------------------------------------------------------------
+
+
+@app.command("demo")
+def demo_command(as_json: JsonOption = False) -> None:
+    """The main job on the embedded default: a tiny seeded model, built and published."""
+    config = load_config()
+    source = config.home / "demo" / "tiny-llama"
+    if not (source / "model.safetensors").exists():
+        err.print(f"making a tiny seeded model in {source}", markup=False)
+        make_tiny_llama(source)
+    request = BuildRequest(
+        source=str(source),
+        name="tiny-llama",
+        staging=config["paths.export_staging"],
+        hub_cache=config["paths.hub_cache"],
+    )
+    progress = BuildProgress()
+    store = open_store(None)
+    with progress.bar:
+        result = Build(request, store, progress).run()
+    report = store.verify([*result.manifest.blobs(), result.digest])
+    if not report.ok:
+        raise IntegrityError(f"the demo package failed verification: {report}")
+    _print_build(result, as_json)
 
 
 # -- flare store ------------------------------------------------------------------------------
