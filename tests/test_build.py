@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -164,11 +166,22 @@ def test_same_inputs_same_digest_whatever_the_paths_and_workers(
     assert first == second
 
 
+def aged_copy(source: Path, dest: Path) -> Path:
+    """A copy whose files were last changed a minute ago: their stat records are trusted at once
+    (a record taken within a second of a change is not, so a fresh file would be hashed again)."""
+    shutil.copytree(source, dest)
+    past = time.time() - 60
+    for path in dest.iterdir():
+        os.utime(path, (past, past))
+    return dest
+
+
 def test_rebuild_reuses_every_phase_and_a_new_option_redoes_only_what_depends(
     checkpoints: Path, tmp_path: Path
 ) -> None:
-    first, _, _, _ = build(checkpoints / "LlamaForCausalLM", tmp_path)
-    again, _, _, events = build(checkpoints / "LlamaForCausalLM", tmp_path)
+    source = aged_copy(checkpoints / "LlamaForCausalLM", tmp_path / "LlamaForCausalLM")
+    first, _, _, _ = build(source, tmp_path)
+    again, _, _, events = build(source, tmp_path)
     assert again == first
     assert {r.name: r.status for r in events.reports} == {
         "resolve": "reused",
@@ -179,7 +192,7 @@ def test_rebuild_reuses_every_phase_and_a_new_option_redoes_only_what_depends(
         "assemble": "reused",
         "publish": "reused",
     }
-    _, _, _, events = build(checkpoints / "LlamaForCausalLM", tmp_path, ranks=2)
+    _, _, _, events = build(source, tmp_path, ranks=2)
     status = {r.name: r.status for r in events.reports}
     assert status["resolve"] == "reused" and status["shard"] == "done"
     assert status["assemble"] in ("done", "resumed")
