@@ -169,6 +169,9 @@ def build_command(
     payload_size: Annotated[str, typer.Option(help="Target payload blob size.")] = "256M",
     registry: Annotated[str | None, typer.Option(help="Registry (default: the config's).")] = None,
     rehash: Annotated[bool, typer.Option(help="Hash every source file again.")] = False,
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="Files hashed and payloads written at once.")
+    ] = None,
     check: Annotated[
         str | None, typer.Option(help="Rebuild REF from its recorded inputs and compare.")
     ] = None,
@@ -200,6 +203,7 @@ def build_command(
         model_id=model_id,
         rehash=rehash,
         payload_bytes=parse_size(payload_size),
+        workers=workers,
         staging=config["paths.export_staging"],
         hub_cache=config["paths.hub_cache"],
     )

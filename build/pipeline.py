@@ -54,10 +54,18 @@ class BuildRequest:
     model_id: str | None = None
     rehash: bool = False
     payload_bytes: int = PAYLOAD_BYTES
+    workers: int | None = None
+    """Files hashed and payloads written at once (default: the cores); never changes a digest."""
 
     def options(self) -> dict[str, Any]:
         """The options that shape the package, recorded in its manifest."""
         return {"ranks": self.ranks, "payload_bytes": self.payload_bytes}
+
+    def recorded(self) -> dict[str, Any]:
+        """The request as the journal keeps it (for --check), without host-only settings."""
+        kept = asdict(self)
+        kept.pop("workers")
+        return {k: str(v) if isinstance(v, Path) else v for k, v in kept.items()}
 
 
 @dataclass
@@ -119,7 +127,7 @@ class Build:
         started = time.perf_counter()
         source, files, recipe, config = self._resolve(started)
         build_key = self._inputs_digest(files, recipe)
-        record = {"source": str(source.root), "request": self._recorded()}
+        record = {"source": str(source.root), "request": self.request.recorded()}
         self.journal.put("builds", build_key, record)
         with self.journal.lock(build_key) as waited:
             if waited:
@@ -149,7 +157,7 @@ class Build:
         total = sum(p.stat().st_size for p in paths)
         self.events.phase_started("resolve", total)
         cache = StatCache(request.staging / "stat")
-        digests = digest_files(paths, cache, request.rehash, progress=self.events.advance)
+        digests = digest_files(paths, cache, request.rehash, request.workers, self.events.advance)
         self.source = source
         files = {
             name: {"digest": str(d), "size": size}
@@ -219,7 +227,7 @@ class Build:
             entries = parallel_map(
                 lambda item: self._payload(*item, reused),
                 list(zip(plan, sizes, strict=True)),
-                PAYLOAD_WORKERS,
+                self.request.workers or PAYLOAD_WORKERS,
             )
             stored = [self._artifact(n, f, recipe) for n, f in sorted(artifacts.items())]
             blobs = [e["digest"] for e in entries] + [a["digest"] for a in stored]
@@ -350,10 +358,6 @@ class Build:
 
     def _inputs_digest(self, files: dict, recipe: Recipe) -> Digest:
         return hash_bytes(canonical_json(self._build_inputs(files, recipe)).encode())
-
-    def _recorded(self) -> dict[str, Any]:
-        request = asdict(self.request)
-        return {k: str(v) if isinstance(v, Path) else v for k, v in request.items()}
 
 
 def _recipe_id(recipe: Recipe) -> dict[str, Any]:

@@ -6,6 +6,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -307,3 +309,45 @@ def test_the_real_minilm_checkpoint_builds(tmp_path: Path) -> None:
     assert all(torch.equal(got[k], original[k]) for k in original)
     with pytest.raises(InvalidInputError, match="one rank"):
         build(folder, tmp_path, ranks=2)
+
+
+def test_same_digest_with_other_workers_host_name_and_clock(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    """Two CLI builds: one worker versus four, another host name (a UTS namespace), later."""
+    source = str(checkpoints / "Qwen3ForCausalLM")
+    args = ["build", source, "--name", "tiny", "--ranks", "2", "--json"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+    first = subprocess.run(
+        [sys.executable, "-m", "flare", *args, "--workers", "1"],
+        env={**env, "FLARE_HOME": str(tmp_path / "a")},
+        capture_output=True,
+        text=True,
+    )
+    assert first.returncode == 0, first.stderr
+    command = [sys.executable, "-m", "flare", *args, "--workers", "4"]
+    other_host = ["unshare", "--uts", "sh", "-c", 'hostname other-host && exec "$@"', "sh"]
+    if subprocess.run([*other_host, "true"], capture_output=True).returncode == 0:
+        command = [*other_host, *command]
+    time.sleep(1.1)
+    second = subprocess.run(
+        command, env={**env, "FLARE_HOME": str(tmp_path / "b")}, capture_output=True, text=True
+    )
+    assert second.returncode == 0, second.stderr
+    assert json.loads(first.stdout)["digest"] == json.loads(second.stdout)["digest"]
+
+
+def test_every_subpackage_ships_in_the_wheel() -> None:
+    """pyproject lists packages by hand (the root is the package): none may be forgotten."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    listed = set(
+        tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(("flare", *p.parent.relative_to(root).parts))
+        for p in root.rglob("__init__.py")
+        if not {"tests", ".venv", ".setuptools-build"} & set(p.relative_to(root).parts)
+    }
+    assert found == listed
