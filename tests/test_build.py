@@ -351,3 +351,44 @@ def test_every_subpackage_ships_in_the_wheel() -> None:
         if not {"tests", ".venv", ".setuptools-build"} & set(p.relative_to(root).parts)
     }
     assert found == listed
+
+
+def test_check_says_identical_or_lists_what_differs(checkpoints: Path, tmp_path: Path) -> None:
+    source = tmp_path / "ckpt"
+    shutil.copytree(checkpoints / "LlamaForCausalLM", source)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+    env["FLARE_HOME"] = str(tmp_path / "home")
+
+    def flare(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "flare", *args], env=env, capture_output=True, text=True
+        )
+
+    built = flare("build", str(source), "--name", "tiny", "--ranks", "2", "--json")
+    digest = json.loads(built.stdout)["digest"]
+    same = flare("build", "--check", "tiny", "--json")
+    assert same.returncode == 0, same.stderr
+    assert json.loads(same.stdout)["identical"] is True
+
+    store = BlobStore(tmp_path / "home" / "registry")
+    manifest = read_manifest(store, Digest.parse(digest))
+    forged = manifest.model_copy(
+        update={
+            "payloads": (
+                manifest.payloads[0].model_copy(update={"digest": "blake3:" + "ab" * 32}),
+                *manifest.payloads[1:],
+            )
+        }
+    )
+    from flare.registry.refs import tag_package
+    from flare.store.package import encode_index
+
+    tag_package(store, "tiny", "forged", store.put_bytes(encode_index(forged)).digest)
+    differs = flare("build", "--check", "tiny:forged")
+    assert differs.returncode == 6
+    assert "payload not reproduced: blake3:abab" in differs.stdout
+
+    (source / "generation_config.json").write_text("{}")
+    changed = flare("build", "--check", "tiny", "--json")
+    assert changed.returncode == 6
+    assert json.loads(changed.stdout)["source_files"] == ["generation_config.json"]
