@@ -28,8 +28,12 @@ from rich.table import Table
 from flare.build.check import CheckResult, check_build
 from flare.build.pipeline import Build, BuildRequest, BuildResult, PhaseReport
 from flare.build.tiny import make_tiny_llama
-from flare.config import load_config, parse_size
-from flare.store import BlobStore, Digest
+from flare.config import load_config, parse_duration, parse_size
+from flare.registry.copy import copy_package
+from flare.registry.database import UnusableIndexError
+from flare.registry.gc import collect
+from flare.registry.registry import Registry, default_database
+from flare.store import BlobStore, Digest, VerifyReport
 from flare.store.digest import parse_prefix
 from flare.store.errors import (
     FlareError,
@@ -52,10 +56,18 @@ app = typer.Typer(
 )
 store_app = typer.Typer(help="The content-addressed blob store.", no_args_is_help=True)
 config_app = typer.Typer(help="The effective configuration.", no_args_is_help=True)
+registry_app = typer.Typer(
+    help="Packages in the registry: list, tag, pin, remove, collect garbage, verify, copy.",
+    no_args_is_help=True,
+)
+app.add_typer(registry_app, name="registry")
 app.add_typer(store_app, name="store")
 app.add_typer(config_app, name="config")
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+RegistryOption = Annotated[
+    str | None, typer.Option("--registry", help="Registry location (default: the config's).")
+]
 StoreOption = Annotated[
     str | None,
     typer.Option("--store", help="Store location (path or URL). Default: the registry's."),
@@ -101,6 +113,25 @@ def progress_bar(description: str, total: int) -> Iterator[Advance]:
     with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+def open_registry(location: str | None = None, set_aside_corrupt: bool = False) -> Registry:
+    """The registry a command acts on: --registry, else the configured one.
+
+    For reindex, an unreadable SQLite index is moved aside (kept, renamed) and a new one made.
+    """
+    config = load_config()
+    where = location or config.registry
+    database = config.database or default_database(where, config.home)
+    try:
+        return Registry(where, database, config.store_encoding, config.zstd_level)
+    except UnusableIndexError:
+        if not (set_aside_corrupt and database.startswith("sqlite:///")):
+            raise
+    broken = Path(database.removeprefix("sqlite:///"))
+    broken.rename(broken.with_name(f"{broken.name}.corrupt"))
+    err.print(f"moved the unreadable index DB to {broken}.corrupt", markup=False)
+    return Registry(where, database, config.store_encoding, config.zstd_level)
 
 
 def open_store(location: str | None, existing: bool = False) -> BlobStore:
@@ -179,12 +210,12 @@ def build_command(
 ) -> None:
     """Build a package from a checkpoint, resumably, and publish it to the registry."""
     config = load_config()
-    store = open_store(registry)
+    target = open_registry(registry)
     progress = BuildProgress()
     if check is not None:
         with progress.bar:
             checked = check_build(
-                store,
+                target,
                 check,
                 config["paths.export_staging"],
                 config["paths.hub_cache"],
@@ -208,7 +239,7 @@ def build_command(
         hub_cache=config["paths.hub_cache"],
     )
     with progress.bar:
-        result = Build(request, store, progress).run()
+        result = Build(request, target, progress).run()
     _print_build(result, as_json)
 
 
@@ -278,10 +309,10 @@ def demo_command(as_json: JsonOption = False) -> None:
         hub_cache=config["paths.hub_cache"],
     )
     progress = BuildProgress()
-    store = open_store(None)
+    registry = open_registry()
     with progress.bar:
-        result = Build(request, store, progress).run()
-    report = store.verify([*result.manifest.blobs(), result.digest])
+        result = Build(request, registry, progress).run()
+    report = registry.verify(f"tiny-llama@{result.digest.hex}")
     if not report.ok:
         raise IntegrityError(f"the demo package failed verification: {report}")
     _print_build(result, as_json)
@@ -398,6 +429,11 @@ def store_verify(
     total = sum(i.stored_size for i in infos if i)
     with progress_bar("verify", total) as advance:
         report = blobs.verify(wanted, workers=workers, progress=advance)
+    _report_verify(report, as_json)
+
+
+def _report_verify(report: VerifyReport, as_json: bool) -> None:
+    """Print a verify report; exit 6 if anything is corrupt, else 3 if anything is missing."""
     if as_json:
         fields = {
             **asdict(report),
@@ -427,6 +463,211 @@ def _print_verify(report: Any) -> None:
     for key in report.stray:
         out.print(f"not a blob name (left in place): {key}")
     out.print("ok" if report.ok else "FAILED")
+
+
+# -- flare registry ---------------------------------------------------------------------------
+
+
+@registry_app.command("ls")
+def registry_ls(
+    name: Annotated[str | None, typer.Option(help="Only packages of this name.")] = None,
+    model: Annotated[str | None, typer.Option(help="Only packages of this model id.")] = None,
+    registry: RegistryOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """List published packages with their tags, sizes and pins."""
+    rows = open_registry(registry).listings(name, model)
+    if as_json:
+        print_json([asdict(r) for r in rows])
+        return
+    columns = (
+        "name",
+        "tags",
+        "digest",
+        "model",
+        "recipe",
+        "ranks",
+        "size",
+        "unique",
+        "pinned",
+        "created",
+        "publisher",
+    )
+    print_table(
+        "",
+        columns,
+        [
+            (
+                r.name,
+                ",".join(r.tags),
+                r.digest[7:19],
+                r.model,
+                r.recipe,
+                r.ranks,
+                decimal(r.size),
+                decimal(r.unique_size),
+                "yes" if r.pinned else "",
+                r.created,
+                r.publisher or "",
+            )
+            for r in rows
+        ],
+    )
+
+
+@registry_app.command("show")
+def registry_show(ref: str, registry: RegistryOption = None, as_json: JsonOption = False) -> None:
+    """Print a package's manifest."""
+    name, digest, manifest = open_registry(registry).manifest(ref)
+    if as_json:
+        print_json(
+            {"name": name, "digest": str(digest), "manifest": manifest.model_dump(mode="json")}
+        )
+        return
+    out.print(f"{name or ''}@{digest}")
+    out.print(
+        f"model {manifest.model.id}@{manifest.model.revision or '-'}, recipe "
+        f"{manifest.recipe.name}/{manifest.recipe.version}, {manifest.ranks} ranks, "
+        f"{len(manifest.payloads)} payloads, {decimal(manifest.total_size())}"
+    )
+    rows = [
+        (
+            "payload",
+            f"ranks {list(p.ranks)}: {len(p.tensors)} tensors",
+            p.digest[7:19],
+            decimal(p.size),
+        )
+        for p in manifest.payloads
+    ]
+    rows += [(a.kind, a.path, a.digest[7:19], decimal(a.size)) for a in manifest.artifacts]
+    print_table("", ("kind", "contents", "digest", "size"), rows)
+
+
+@registry_app.command("tag")
+def registry_tag(
+    ref: str,
+    name_tag: Annotated[str, typer.Argument(metavar="NAME:TAG")],
+    registry: RegistryOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Point NAME:TAG at the package REF names."""
+    name, tag, digest = open_registry(registry).tag(ref, name_tag)
+    _done(as_json, {"name": name, "tag": tag, "digest": str(digest)}, f"{name}:{tag} -> {digest}")
+
+
+@registry_app.command("pin")
+def registry_pin(ref: str, registry: RegistryOption = None, as_json: JsonOption = False) -> None:
+    """Pin a package: gc never removes it, rm refuses it."""
+    name, digest = open_registry(registry).pin(ref)
+    _done(as_json, {"name": name, "digest": str(digest), "pinned": True}, f"pinned {name}@{digest}")
+
+
+@registry_app.command("unpin")
+def registry_unpin(ref: str, registry: RegistryOption = None, as_json: JsonOption = False) -> None:
+    """Unpin a package."""
+    name, digest = open_registry(registry).pin(ref, pinned=False)
+    data = {"name": name, "digest": str(digest), "pinned": False}
+    _done(as_json, data, f"unpinned {name}@{digest}")
+
+
+@registry_app.command("rm")
+def registry_rm(ref: str, registry: RegistryOption = None, as_json: JsonOption = False) -> None:
+    """Remove a package from its name (and its tags); gc frees its blobs later."""
+    name, digest, tags = open_registry(registry).remove(ref)
+    suffix = f" (tags {', '.join(tags)})" if tags else ""
+    _done(
+        as_json,
+        {"name": name, "digest": str(digest), "tags": tags},
+        f"removed {name}@{digest}{suffix}",
+    )
+
+
+@registry_app.command("du")
+def registry_du(registry: RegistryOption = None, as_json: JsonOption = False) -> None:
+    """Bytes the packages take: total, shared between packages, reclaimable by gc now."""
+    target = open_registry(registry)
+    usage = {**target.usage(), "reclaimable": collect(target, 0.0, dry_run=True).freed_bytes}
+    if as_json:
+        print_json(usage)
+        return
+    print_table("", ("total", "shared", "reclaimable"), [tuple(decimal(v) for v in usage.values())])
+
+
+@registry_app.command("reindex")
+def registry_reindex(registry: RegistryOption = None, as_json: JsonOption = False) -> None:
+    """Rebuild the index DB from the store (after a corrupt or lost DB)."""
+    count = open_registry(registry, set_aside_corrupt=True).reindex()
+    _done(as_json, {"packages": count}, f"indexed {count} package records")
+
+
+@registry_app.command("migrate")
+def registry_migrate(registry: RegistryOption = None, as_json: JsonOption = False) -> None:
+    """Apply the index DB's schema migrations (also done whenever the registry is opened)."""
+    head = open_registry(registry).db.migrate()
+    _done(as_json, {"schema": head}, f"index DB schema at {head}")
+
+
+@registry_app.command("gc")
+def registry_gc(
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Say what would go; change nothing.")
+    ] = False,
+    grace: Annotated[str, typer.Option(help="Keep blobs touched this recently.")] = "1h",
+    registry: RegistryOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Remove blobs no tag, pin or live lease reaches and untouched for the grace period."""
+    report = collect(open_registry(registry), parse_duration(grace), dry_run)
+    if as_json:
+        print_json(asdict(report))
+        return
+    verb = "would free" if dry_run else "freed"
+    out.print(
+        f"{verb} {decimal(report.freed_bytes)} in {len(report.deleted)} blobs; kept "
+        f"{report.marked} reachable from {report.roots} roots, {report.kept_recent} recent"
+    )
+    for forgotten in report.forgotten:
+        out.print(f"forgot {forgotten}")
+
+
+@registry_app.command("verify")
+def registry_verify(
+    ref: Annotated[str | None, typer.Argument(help="Package (default: every package).")] = None,
+    workers: Annotated[int | None, typer.Option(help="Blobs hashed at once.")] = None,
+    registry: RegistryOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Re-hash packages' blobs in parallel. Exit 6 if corrupt, 3 if missing."""
+    _report_verify(open_registry(registry).verify(ref, workers), as_json)
+
+
+@registry_app.command("copy")
+def registry_copy(
+    ref: str,
+    to: Annotated[str, typer.Option("--to", help="Destination registry location.")],
+    source: Annotated[str | None, typer.Option("--from", help="Source registry.")] = None,
+    workers: Annotated[int | None, typer.Option(help="Blobs copied at once.")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Copy a package (blobs, index, tags, pins) to another registry; resumable, verified."""
+    origin, dest = open_registry(source), open_registry(to)
+    _, _, manifest = origin.manifest(ref)
+    with progress_bar("copy", manifest.total_size()) as advance:
+        report = copy_package(origin, dest, ref, workers, advance)
+    if as_json:
+        print_json({**asdict(report), "digest": str(report.digest)})
+        return
+    out.print(
+        f"copied {report.name or ''}@{report.digest} to {dest.location} "
+        f"({decimal(report.bytes)}; {report.methods})"
+    )
+
+
+def _done(as_json: bool, data: dict[str, Any], message: str) -> None:
+    if as_json:
+        print_json(data)
+    else:
+        out.print(message)
 
 
 # -- flare config -----------------------------------------------------------------------------

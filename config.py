@@ -30,6 +30,18 @@ def parse_size(text: str | int) -> int:
     return int(float(number) * 1024 ** _UNITS[unit.lower()])
 
 
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from `90`, `30s`, `15m`, `1h` or `2d`."""
+    match = _DURATION.match(str(text).lower())
+    if not match:
+        raise InvalidInputError(f"not a duration: {text!r}", "use e.g. 30s, 15m, 1h or 2d")
+    return float(match[1]) * _SECONDS[match[2]]
+
+
 def _location(text: str | Path) -> str:
     """A path (made absolute) or a URL (kept as written)."""
     text = str(text)
@@ -100,6 +112,13 @@ SETTINGS: tuple[Setting, ...] = (
         "the registry: a folder, a NAS mount or an fsspec URL",
     ),
     Setting(
+        "registry.database",
+        "FLARE_DATABASE",
+        str,
+        lambda _h, _e: "",
+        "index DB URL; empty: SQLite beside the registry's blobs",
+    ),
+    Setting(
         "memory.reserve",
         "FLARE_MEMORY_RESERVE",
         parse_size,
@@ -146,6 +165,10 @@ class Config:
     @property
     def registry(self) -> str:
         return self["paths.registry"]
+
+    @property
+    def database(self) -> str:
+        return self["registry.database"]
 
     @property
     def store_encoding(self) -> Encoding:

@@ -14,8 +14,7 @@ from pathlib import Path
 
 from flare.build.journal import Journal
 from flare.build.pipeline import Build, BuildRequest, Events
-from flare.registry.refs import read_manifest, resolve_package
-from flare.store.blobs import BlobStore
+from flare.registry.registry import Registry
 from flare.store.digest import Digest
 from flare.store.errors import NotFoundError
 from flare.store.package import Manifest
@@ -38,7 +37,7 @@ class CheckResult:
 
 
 def check_build(
-    store: BlobStore,
+    registry: Registry,
     ref: str,
     staging: Path,
     hub_cache: Path,
@@ -46,8 +45,7 @@ def check_build(
     source: str | None = None,
 ) -> CheckResult:
     """Rebuild REF from its recorded inputs in a scratch area and compare the results."""
-    _, digest = resolve_package(store, ref)
-    manifest = read_manifest(store, digest)
+    _, digest, manifest = registry.manifest(ref)
     source = source or _recorded_source(staging, manifest, ref)
     scratch = Path(tempfile.mkdtemp(prefix="check-", dir=_ensure(staging)))
     try:
@@ -61,7 +59,9 @@ def check_build(
             rehash=True,
             payload_bytes=int(manifest.options["payload_bytes"]),
         )
-        rebuilt = Build(request, BlobStore(scratch / "store"), events, reuse=False).run()
+        scratch_registry = Registry(str(scratch / "store"), f"sqlite:///{scratch / 'index.db'}")
+        rebuilt = Build(request, scratch_registry, events, reuse=False).run()
+        scratch_registry.db.dispose()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return _compare(digest, manifest, rebuilt.digest, rebuilt.manifest)

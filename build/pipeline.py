@@ -23,8 +23,8 @@ from flare.build.recipes import recipe_for
 from flare.build.recipes.base import Recipe, check_tensors
 from flare.build.sources import Source, resolve_source
 from flare.build.statcache import StatCache, digest_files
-from flare.registry.refs import tag_package
-from flare.store.blobs import BlobStore
+from flare.registry.leases import hold_lease
+from flare.registry.registry import Registry
 from flare.store.digest import Digest
 from flare.store.errors import IntegrityError
 from flare.store.hashing import FileState, check_unchanged, hash_bytes, parallel_map
@@ -96,7 +96,7 @@ class Events(Protocol):
     def note(self, message: str) -> None: ...
 
 
-Signer = Callable[[BlobStore, Digest, Manifest], None]
+Signer = Callable[[Registry, Digest, Manifest], None]
 
 
 class Build:
@@ -105,7 +105,7 @@ class Build:
     def __init__(
         self,
         request: BuildRequest,
-        store: BlobStore,
+        registry: Registry,
         events: Events,
         reuse: bool = True,
         sign: Signer | None = None,
@@ -113,7 +113,8 @@ class Build:
         check_name(request.name)
         check_name(request.tag, "tag")
         self.request = request
-        self.store = store
+        self.registry = registry
+        self.store = registry.store
         self.events = events
         self.reuse = reuse
         self.sign = sign
@@ -123,6 +124,11 @@ class Build:
         self.states: dict[str, FileState] = {}
 
     def run(self) -> BuildResult:
+        """Every phase in order, under a lease that keeps gc off what the build writes."""
+        with hold_lease(self.store, "build", protect_new=True):
+            return self._run()
+
+    def _run(self) -> BuildResult:
         """Every phase in order, under a lock on the build's inputs."""
         started = time.perf_counter()
         source, files, recipe, config = self._resolve(started)
@@ -312,10 +318,10 @@ class Build:
         self.events.phase_started("publish", len(index))
         result = self.store.put_bytes(index)
         crash_point("publish:index")
-        tag_package(self.store, self.request.name, self.request.tag, result.digest)
+        self.registry.publish(self.request.name, self.request.tag, result.digest, manifest)
         crash_point("publish:ref")
         if self.sign is not None:
-            self.sign(self.store, result.digest, manifest)
+            self.sign(self.registry, result.digest, manifest)
         status = "reused" if result.method == "existing" else "done"
         self._finish("publish", status, started, len(index))
         return result.digest

@@ -1,13 +1,16 @@
 """References: NAME[:TAG][@DIGEST], kept as small files in the store beside the blobs.
 
-`refs/NAME/tags/TAG` holds the digest a tag points at; `refs/NAME/packages/<hex>` marks a
-package published under NAME. The store alone is enough to rebuild any index of them.
+`refs/NAME/tags/TAG` holds the digest a tag points at; `refs/NAME/packages/<hex>` records a
+package published under NAME (when, by whom); `refs/NAME/pins/<hex>` pins it. The store
+alone is enough to rebuild the index DB from these files.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest, parse_prefix, resolve_prefix
@@ -45,13 +48,55 @@ def _is_hex(text: str) -> bool:
     return len(text) >= 8 and all(c in "0123456789abcdef" for c in text.lower())
 
 
-def tag_package(store: BlobStore, name: str, tag: str, digest: Digest) -> None:
-    """Point NAME:TAG at a package and record the package under NAME."""
+@dataclass(frozen=True)
+class PackageRecord:
+    """A package published under a name: when, and by which publisher (once signed)."""
+
+    name: str
+    digest: Digest
+    created: str
+    publisher: str | None
+
+
+def _package_key(name: str, digest: Digest) -> str:
+    return f"{REFS_DIR}/{name}/packages/{digest.hex}"
+
+
+def record_package(
+    store: BlobStore, name: str, digest: Digest, publisher: str | None = None
+) -> PackageRecord:
+    """Record NAME's package (keeping the first publication time if it was recorded before)."""
     check_name(name)
-    check_name(tag, "tag")
+    existing = read_record(store, name, digest)
+    if existing is not None and existing.publisher == publisher:
+        return existing
+    created = existing.created if existing else datetime.now(UTC).isoformat(timespec="seconds")
+    body = {"created": created, "publisher": publisher}
     store.backend.ensure()
-    store.backend.write_atomic(f"{REFS_DIR}/{name}/packages/{digest.hex}", b"")
+    store.backend.write_atomic(_package_key(name, digest), json.dumps(body).encode())
+    return PackageRecord(name, digest, created, publisher)
+
+
+def read_record(store: BlobStore, name: str, digest: Digest) -> PackageRecord | None:
+    data = store.backend.read(_package_key(name, digest))
+    if data is None:
+        return None
+    try:
+        body = json.loads(data) if data.strip() else {}
+    except ValueError:
+        body = {}
+    return PackageRecord(name, digest, body.get("created") or "", body.get("publisher"))
+
+
+def tag_package(store: BlobStore, name: str, tag: str, digest: Digest) -> None:
+    """Point NAME:TAG at a package, recording the package under NAME first."""
+    check_name(tag, "tag")
+    record_package(store, name, digest)
     store.backend.write_atomic(f"{REFS_DIR}/{name}/tags/{tag}", f"{digest}\n".encode())
+
+
+def untag(store: BlobStore, name: str, tag: str) -> None:
+    store.backend.remove(f"{REFS_DIR}/{name}/tags/{tag}")
 
 
 def read_tag(store: BlobStore, name: str, tag: str) -> Digest | None:
@@ -59,8 +104,42 @@ def read_tag(store: BlobStore, name: str, tag: str) -> Digest | None:
     return None if data is None else Digest.parse(data.decode().strip())
 
 
+def names(store: BlobStore) -> list[str]:
+    return store.backend.list_dir(REFS_DIR)
+
+
+def tags_of(store: BlobStore, name: str) -> dict[str, Digest]:
+    found = {}
+    for tag in store.backend.list_dir(f"{REFS_DIR}/{name}/tags"):
+        digest = read_tag(store, name, tag)
+        if digest is not None:
+            found[tag] = digest
+    return found
+
+
 def packages_of(store: BlobStore, name: str) -> list[Digest]:
     return [Digest(h) for h in store.backend.list_dir(f"{REFS_DIR}/{name}/packages")]
+
+
+def pin(store: BlobStore, name: str, digest: Digest) -> None:
+    store.backend.write_atomic(f"{REFS_DIR}/{name}/pins/{digest.hex}", b"")
+
+
+def unpin(store: BlobStore, name: str, digest: Digest) -> None:
+    store.backend.remove(f"{REFS_DIR}/{name}/pins/{digest.hex}")
+
+
+def pins_of(store: BlobStore, name: str) -> list[Digest]:
+    return [Digest(h) for h in store.backend.list_dir(f"{REFS_DIR}/{name}/pins")]
+
+
+def forget_package(store: BlobStore, name: str, digest: Digest) -> list[str]:
+    """Remove NAME's record of a package and the tags pointing at it; return those tags."""
+    removed = [tag for tag, target in tags_of(store, name).items() if target == digest]
+    for tag in removed:
+        untag(store, name, tag)
+    store.backend.remove(_package_key(name, digest))
+    return removed
 
 
 def resolve_package(store: BlobStore, text: str) -> tuple[str | None, Digest]:

@@ -271,8 +271,7 @@ class BlobStore:
     ) -> PutResult:
         """Copy one blob into another store: linked on one filesystem, always verified."""
         info = self.require(digest)
-        existing = other.locate(digest)
-        if existing is not None:
+        if other.touch(digest):
             return PutResult(digest, self.plain_size(info), "existing")
         source_path = self.backend.local_path(blob_key(digest, info.encoding))
         if source_path and info.encoding is other.encoding is Encoding.PLAIN:
@@ -355,11 +354,24 @@ class BlobStore:
             raise IntegrityError(
                 f"bytes for {expect} hash to {digest}", "the source is corrupt; nothing was stored"
             )
-        if self.locate(digest) is not None:
+        if self.touch(digest):
             self.backend.discard(temp)
             return PutResult(digest, size, "existing")
         published = self.backend.commit(temp, blob_key(digest, self.encoding))
+        if not published:
+            self.touch(digest)
         return PutResult(digest, size, method if published else "existing")
+
+    def touch(self, digest: Digest) -> bool:
+        """Mark a stored blob as just used, so gc's grace period protects it; False if absent.
+
+        Writers touch a blob they find already stored: it may have been garbage a moment ago,
+        and a collector deletes only blobs untouched for its whole grace period."""
+        info = self.locate(digest)
+        if info is None:
+            return False
+        self.backend.touch(blob_key(digest, info.encoding))
+        return True
 
     # -- reading --------------------------------------------------------------------------
 

@@ -268,6 +268,20 @@ class LocalBackend:
         except (FileNotFoundError, NotADirectoryError):
             return []
 
+    def modified(self, key: str) -> float | None:
+        try:
+            return self._path(key).stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    def touch(self, key: str) -> None:
+        try:
+            os.utime(self._path(key))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise from_os_error(exc, "touch", self._path(key)) from exc
+
     def free_bytes(self) -> int | None:
         try:
             st = os.statvfs(self.root)

@@ -137,6 +137,15 @@ class FsspecBackend:
             return []
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
+    def modified(self, key: str) -> float | None:
+        try:
+            return _modified(self.fs.info(self._path(key)))
+        except FileNotFoundError:
+            return None
+
+    def touch(self, key: str) -> None:
+        """Object stores cannot change a modification time without rewriting the object."""
+
     def free_bytes(self) -> int | None:
         return None
 

@@ -1,0 +1,58 @@
+"""Copying a package between registries: its index, blobs and refs; linked on one filesystem,
+verified always, resumable (blobs already there are kept), in parallel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flare.registry import refs
+from flare.registry.leases import hold_lease
+from flare.registry.registry import Registry
+from flare.store.blobs import PutResult
+from flare.store.digest import Digest
+from flare.store.hashing import Progress, parallel_map
+
+
+@dataclass
+class CopyReport:
+    name: str | None
+    digest: Digest
+    tags: list[str] = field(default_factory=list)
+    methods: dict[str, int] = field(default_factory=dict)
+    """How many blobs were copied, linked or already there."""
+    bytes: int = 0
+
+
+def copy_package(
+    source: Registry,
+    dest: Registry,
+    ref: str,
+    workers: int | None = None,
+    progress: Progress | None = None,
+) -> CopyReport:
+    """Copy REF's blobs (index last, so a partial copy never looks like a package), then refs."""
+    name, digest, manifest = source.manifest(ref)
+    report = CopyReport(name, digest)
+    with hold_lease(dest.store, "copy", protect_new=True):
+        results = parallel_map(
+            lambda d: source.store.copy_to(dest.store, d, progress), manifest.blobs(), workers
+        )
+        results.append(source.store.copy_to(dest.store, digest, progress))
+        report.methods = _count(results)
+        report.bytes = sum(r.size for r in results)
+        if name is not None:
+            tags = [t for t, d in refs.tags_of(source.store, name).items() if d == digest]
+            report.tags = tags
+            for tag in tags or [None]:  # type: ignore[list-item]
+                dest.publish(name, tag, digest, manifest)
+            for pinned in refs.pins_of(source.store, name):
+                if pinned == digest:
+                    dest.pin(f"{name}@{digest.hex}")
+    return report
+
+
+def _count(results: list[PutResult]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for result in results:
+        counts[result.method] = counts.get(result.method, 0) + 1
+    return counts

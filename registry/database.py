@@ -1,0 +1,171 @@
+"""The index DB: SQLite by default (WAL on local disks, a rollback journal on network mounts),
+PostgreSQL for labs whose hosts write at once. Migrations run on open, under a lock."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from alembic import command
+from alembic.config import Config as AlembicConfig
+from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine, event, inspect, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DatabaseError
+from sqlalchemy.orm import Session, sessionmaker
+
+from flare.store.errors import FlareError
+
+T = TypeVar("T")
+BUSY_TIMEOUT_MS = 30_000
+WRITE_RETRIES = 8
+NETWORK_FILESYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "fuse.sshfs", "ceph"}
+MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATION_LOCK_KEY = 0x666C617265  # "flare": the PostgreSQL advisory lock for migrations
+
+
+class UnusableIndexError(FlareError):
+    """The index DB cannot be used as it is."""
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem holding path, from /proc/self/mountinfo ('' if unknown)."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    target, best, kind = str(path.resolve()), "", ""
+    for line in lines:
+        fields = line.split()
+        mount, fstype = fields[4], fields[fields.index("-") + 1]
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, fstype
+    return kind
+
+
+def alembic_config() -> AlembicConfig:
+    config = AlembicConfig()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    return config
+
+
+class IndexDB:
+    """An engine on the index DB, migrated to this flare's schema."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        parsed = make_url(url)
+        self.sqlite_path = Path(parsed.database) if parsed.get_backend_name() == "sqlite" else None
+        if self.sqlite_path is not None:
+            self.sqlite_path.parent.mkdir(parents=True, exist_ok=True)
+        self.engine = create_engine(url)
+        if self.sqlite_path is not None:
+            self._configure_sqlite()
+        self.sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def _configure_sqlite(self) -> None:
+        assert self.sqlite_path is not None
+        network = filesystem_type(self.sqlite_path.parent) in NETWORK_FILESYSTEMS
+        journal = "DELETE" if network else "WAL"  # WAL needs shared memory a NAS cannot give
+
+        @event.listens_for(self.engine, "connect")
+        def _pragmas(connection, _record) -> None:  # type: ignore[no-untyped-def]
+            cursor = connection.cursor()
+            cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            cursor.execute(f"PRAGMA journal_mode = {journal}")
+            cursor.execute(
+                "PRAGMA synchronous = FULL" if network else "PRAGMA synchronous = NORMAL"
+            )
+            cursor.execute("PRAGMA foreign_keys = ON")
+            cursor.close()
+
+    # -- schema -----------------------------------------------------------------------------
+
+    def migrate(self) -> str:
+        """Bring the schema to this flare's head under a lock; refuse a newer schema."""
+        with self._migration_lock(), self.engine.begin() as connection:
+            config = alembic_config()
+            config.attributes["connection"] = connection
+            current = self._current(connection)
+            known = {s.revision for s in ScriptDirectory.from_config(config).walk_revisions()}
+            if current is not None and current not in known:
+                raise UnusableIndexError(
+                    f"the index DB {self._where()} has schema {current}, newer than this flare",
+                    "upgrade flare on this host",
+                )
+            command.upgrade(config, "head")
+            return ScriptDirectory.from_config(config).get_current_head() or ""
+
+    def _current(self, connection) -> str | None:  # type: ignore[no-untyped-def]
+        try:
+            if not inspect(connection).has_table("alembic_version"):
+                return None
+            row = connection.execute(text("SELECT version_num FROM alembic_version")).first()
+        except DatabaseError as exc:
+            raise (self._corrupt(exc) if self._is_corrupt(exc) else exc) from exc
+        return None if row is None else str(row[0])
+
+    @contextmanager
+    def _migration_lock(self) -> Iterator[None]:
+        if self.sqlite_path is None:
+            with self.engine.connect() as connection:
+                connection.execute(text(f"SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})"))
+                try:
+                    yield
+                finally:
+                    connection.execute(text(f"SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})"))
+            return
+        fd = os.open(f"{self.sqlite_path}.migrate.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    # -- use --------------------------------------------------------------------------------
+
+    def read(self, action: Callable[[Session], T]) -> T:
+        """Run a query, turning an unreadable DB into an error that says what to do."""
+        try:
+            with self.sessions() as session:
+                return action(session)
+        except DatabaseError as exc:
+            if self._is_corrupt(exc):
+                raise self._corrupt(exc) from exc
+            raise
+
+    def write(self, action: Callable[[Session], T]) -> T:
+        """Run a change in one transaction, retried while another writer holds the lock."""
+        for attempt in range(WRITE_RETRIES):
+            try:
+                with self.sessions.begin() as session:
+                    return action(session)
+            except DatabaseError as exc:
+                if self._is_corrupt(exc):
+                    raise self._corrupt(exc) from exc
+                if "locked" not in str(exc) or attempt == WRITE_RETRIES - 1:
+                    raise
+                time.sleep(0.05 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _is_corrupt(self, exc: Exception) -> bool:
+        message = str(exc).lower()
+        return "not a database" in message or "malformed" in message or "corrupt" in message
+
+    def _corrupt(self, exc: Exception) -> FlareError:
+        return UnusableIndexError(
+            f"the index DB {self._where()} is unreadable ({str(exc).splitlines()[0]})",
+            "run `flare registry reindex` to rebuild it from the store",
+        )
+
+    def _where(self) -> str:
+        return str(self.sqlite_path) if self.sqlite_path else make_url(self.url).render_as_string()
+
+    def dispose(self) -> None:
+        self.engine.dispose()

@@ -1,0 +1,101 @@
+"""Leases: work in progress (a build, a pull, a server) tells gc what it must not remove.
+
+A lease is a small file under `leases/` in the store, so every host sees every lease. It
+names package digests to keep and, for builds, a start time: blobs touched since then are
+kept too (a build's payloads are written before any tag names them). A heartbeat thread
+pushes the expiry forward; a lease whose holder died expires and stops protecting anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+from flare.store.blobs import BlobStore
+from flare.store.digest import Digest
+
+LEASES_DIR = "leases"
+TTL_S = 120.0
+"""A lease not renewed for this long has expired (its holder is gone)."""
+
+
+@dataclass
+class Lease:
+    """What one piece of work holds."""
+
+    id: str
+    holder: str
+    purpose: str
+    packages: list[str] = field(default_factory=list)
+    since: float | None = None
+    """For builds: blobs touched at or after this time are kept."""
+    expires: float = 0.0
+
+    def live(self, now: float) -> bool:
+        return self.expires > now
+
+
+def _key(lease_id: str) -> str:
+    return f"{LEASES_DIR}/{lease_id}.json"
+
+
+def _write(store: BlobStore, lease: Lease) -> None:
+    lease.expires = time.time() + TTL_S
+    store.backend.write_atomic(_key(lease.id), json.dumps(asdict(lease)).encode())
+
+
+def live_leases(store: BlobStore) -> list[Lease]:
+    """Every unexpired lease in the store (unreadable files count as none)."""
+    now, found = time.time(), []
+    for name in store.backend.list_dir(LEASES_DIR):
+        data = store.backend.read(f"{LEASES_DIR}/{name}")
+        try:
+            lease = Lease(**json.loads(data or b""))
+        except (ValueError, TypeError):
+            continue
+        if lease.live(now):
+            found.append(lease)
+    return found
+
+
+@contextmanager
+def hold_lease(
+    store: BlobStore, purpose: str, packages: list[Digest] | None = None, protect_new: bool = False
+) -> Iterator[Lease]:
+    """Hold a lease for the duration of the block, renewed by a heartbeat thread."""
+    lease = Lease(
+        id=secrets.token_hex(8),
+        holder=f"{socket.gethostname()}:{os.getpid()}",
+        purpose=purpose,
+        packages=[str(d) for d in packages or []],
+        since=time.time() - 1.0 if protect_new else None,
+    )
+    store.backend.ensure()
+    _write(store, lease)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(TTL_S / 4):
+            _write(store, lease)
+
+    heart = threading.Thread(target=beat, name=f"lease-{lease.id}", daemon=True)
+    heart.start()
+    try:
+        yield lease
+    finally:
+        stop.set()
+        heart.join()
+        store.backend.remove(_key(lease.id))
+
+
+def add_to_lease(store: BlobStore, lease: Lease, package: Digest) -> None:
+    """Protect one more package under a held lease."""
+    lease.packages.append(str(package))
+    _write(store, lease)
