@@ -283,7 +283,8 @@ def _listings(session: Session, name: str | None, model: str | None) -> list[Lis
         query = query.where(Publication.name == name)
     if model:
         query = query.where(Package.model_id == model)
-    rows = session.execute(query.order_by(Publication.created.desc(), Publication.name)).all()
+    order = (Publication.created.desc(), Publication.name, Publication.digest)
+    rows = session.execute(query.order_by(*order)).all()
     return [
         Listing(
             name=pub.name,

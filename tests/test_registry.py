@@ -1,0 +1,202 @@
+"""The registry on SQLite and PostgreSQL: names, tags, pins, listing, reindex, gc, copy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from registry_helpers import BACKENDS, build_into, database, tiny_source
+from sqlalchemy import text
+
+from flare.registry import refs
+from flare.registry.database import UnusableIndexError
+from flare.registry.gc import collect
+from flare.registry.leases import hold_lease
+from flare.registry.registry import PinnedError, Registry
+from flare.store import Digest
+from flare.store.blobs import blob_key
+from flare.store.errors import AmbiguousError, IntegrityError, NotFoundError
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny checkpoints, made once for the module."""
+    root = tmp_path_factory.mktemp("sources")
+    for seed in range(3):
+        tiny_source(root, seed)
+    return root
+
+
+@pytest.fixture(params=BACKENDS)
+def registry(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Registry]:
+    with database(request.param, tmp_path) as url:
+        opened = Registry(str(tmp_path / "registry"), url)
+        yield opened
+        opened.db.dispose()
+
+
+def blob_path(registry: Registry, digest: Digest) -> Path:
+    """Where a stored blob's file is (the tests damage it there)."""
+    info = registry.store.require(digest)
+    path = registry.store.backend.local_path(blob_key(digest, info.encoding))
+    assert path is not None
+    return path
+
+
+def fill(registry: Registry, sources: Path, tmp_path: Path) -> dict[str, object]:
+    """Three packages: a (tagged latest and v1), b, and a second build of a under a:old."""
+    staging = tmp_path / "staging"
+    a = build_into(registry, sources / "tiny-0", "alpha", staging)
+    registry.tag(f"alpha@{a.hex}", "alpha:v1")
+    b = build_into(registry, sources / "tiny-1", "beta", staging)
+    old = build_into(registry, sources / "tiny-2", "alpha", staging, tag="old")
+    return {"a": a, "b": b, "old": old}
+
+
+def test_ls_shows_what_users_ask_about(registry: Registry, sources: Path, tmp_path: Path) -> None:
+    made = fill(registry, sources, tmp_path)
+    rows = {(r.name, r.digest): r for r in registry.listings()}
+    a = rows[("alpha", str(made["a"]))]
+    assert a.tags == ["latest", "v1"] and a.recipe == "llama/1" and a.ranks == 1
+    assert a.model == "tiny-0" and a.size > a.unique_size > 0 and not a.pinned
+    assert a.created and a.publisher is None
+    assert {r.name for r in registry.listings(name="beta")} == {"beta"}
+    assert [r.model for r in registry.listings(model="tiny-2")] == ["tiny-2"]
+
+
+def test_tags_pins_and_rm(registry: Registry, sources: Path, tmp_path: Path) -> None:
+    made = fill(registry, sources, tmp_path)
+    registry.pin("alpha:old")
+    with pytest.raises(PinnedError, match="unpin it first"):
+        registry.remove("alpha:old")
+    registry.pin("alpha:old", pinned=False)
+    name, digest, tags = registry.remove("alpha:old")
+    assert (name, digest, tags) == ("alpha", made["old"], ["old"])
+    assert all(r.digest != str(made["old"]) for r in registry.listings())
+    with pytest.raises(NotFoundError):
+        registry.resolve("alpha:old")
+    with pytest.raises(NotFoundError):
+        registry.resolve("nosuch")
+
+
+def test_ambiguous_prefix_lists_the_candidates(
+    registry: Registry, sources: Path, tmp_path: Path
+) -> None:
+    made = fill(registry, sources, tmp_path)
+    twin = made["a"].hex[:8] + "f" * 56  # type: ignore[attr-defined]
+    registry.store.backend.write_atomic(f"refs/alpha/packages/{twin}", b"{}")
+    with pytest.raises(AmbiguousError) as info:
+        registry.resolve(f"alpha@{made['a'].hex[:8]}")  # type: ignore[attr-defined]
+    assert twin[:16] in str(info.value)
+
+
+def test_reindex_rebuilds_an_identical_index(
+    registry: Registry, sources: Path, tmp_path: Path
+) -> None:
+    fill(registry, sources, tmp_path)
+    registry.pin("beta")
+    before = [asdict(r) for r in registry.listings()]
+    with registry.db.engine.begin() as connection:
+        for table in ("tags", "publications", "package_blobs", "packages"):
+            connection.execute(text(f"DELETE FROM {table}"))
+    assert registry.listings() == []
+    registry.reindex()
+    assert [asdict(r) for r in registry.listings()] == before
+
+
+def test_a_newer_schema_is_refused(registry: Registry) -> None:
+    with registry.db.engine.begin() as connection:
+        connection.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+    with pytest.raises(UnusableIndexError, match="newer than this flare"):
+        registry.db.migrate()
+
+
+def test_gc_keeps_tagged_and_pinned_and_sweeps_the_rest(
+    registry: Registry, sources: Path, tmp_path: Path
+) -> None:
+    made = fill(registry, sources, tmp_path)
+    registry.pin("beta")
+    registry.remove("alpha:old")
+    dry = collect(registry, grace_s=0, dry_run=True)
+    assert str(made["old"]) in dry.deleted and registry.store.has(made["old"])  # type: ignore[arg-type]
+    report = collect(registry, grace_s=0)
+    assert report.deleted == dry.deleted and report.freed_bytes == dry.freed_bytes > 0
+    assert not registry.store.has(made["old"])  # type: ignore[arg-type]
+    for ref in ("alpha:latest", "alpha:v1", "beta"):
+        assert registry.verify(ref).ok
+    assert collect(registry, grace_s=0).deleted == []
+
+
+def test_gc_grace_and_leases_protect_work_in_progress(
+    registry: Registry, sources: Path, tmp_path: Path
+) -> None:
+    made = fill(registry, sources, tmp_path)
+    registry.remove("alpha:old")
+    assert collect(registry, grace_s=3600).deleted == []  # everything is younger than an hour
+    with hold_lease(registry.store, "serve", [made["old"]]):  # type: ignore[list-item]
+        assert collect(registry, grace_s=0).deleted == []
+    with hold_lease(registry.store, "build", protect_new=True):
+        fresh = registry.store.put_bytes(b"a payload no tag names yet").digest
+        collect(registry, grace_s=0)
+        assert registry.store.has(fresh)
+    assert str(fresh) in collect(registry, grace_s=0).deleted
+
+
+def test_copy_to_another_registry_links_verifies_and_resumes(
+    registry: Registry, sources: Path, tmp_path: Path
+) -> None:
+    from flare.registry.copy import copy_package
+
+    made = fill(registry, sources, tmp_path)
+    registry.pin("alpha:latest")
+    other = Registry(str(tmp_path / "other"), f"sqlite:///{tmp_path / 'other.db'}")
+    report = copy_package(registry, other, "alpha:latest")
+    assert set(report.methods) <= {"hardlink", "reflink"} and sorted(report.tags) == [
+        "latest",
+        "v1",
+    ]
+    assert other.resolve("alpha:v1")[1] == made["a"] and other.verify("alpha").ok
+    assert [r.pinned for r in other.listings()] == [True]
+
+    manifest = refs.read_manifest(other.store, made["a"])  # type: ignore[arg-type]
+    payload = manifest.blobs()[0]
+    blob_path(other, payload).unlink()
+    again = copy_package(registry, other, "alpha:latest")
+    assert sum(n for m, n in again.methods.items() if m != "existing") == 1
+    assert other.verify("alpha").ok
+
+
+def test_copy_of_a_corrupt_package_publishes_nothing(
+    registry: Registry, sources: Path, tmp_path: Path
+) -> None:
+    from flare.registry.copy import copy_package
+
+    fill(registry, sources, tmp_path)
+    _, digest, manifest = registry.manifest("beta")
+    victim = registry.store.backend.local_path(
+        blob_key(manifest.blobs()[0], registry.store.locate(manifest.blobs()[0]).encoding)
+    )  # type: ignore[union-attr]
+    assert victim is not None
+    victim.chmod(0o644)
+    victim.write_bytes(b"rot" + victim.read_bytes()[3:])
+    other = Registry(str(tmp_path / "other"), f"sqlite:///{tmp_path / 'other.db'}")
+    with pytest.raises(IntegrityError):
+        copy_package(registry, other, "beta")
+    assert other.listings() == [] and not other.store.has(digest)
+
+
+def test_verify_tells_corrupt_and_missing_apart(
+    registry: Registry, sources: Path, tmp_path: Path
+) -> None:
+    fill(registry, sources, tmp_path)
+    corrupt = Digest.parse(registry.manifest("beta")[2].payloads[0].digest)
+    missing = Digest.parse(registry.manifest("alpha:old")[2].payloads[0].digest)
+    path = blob_path(registry, corrupt)
+    path.chmod(0o644)
+    path.write_bytes(b"x" + path.read_bytes()[1:])
+    blob_path(registry, missing).unlink()
+    report = registry.verify()
+    assert report.corrupt == [corrupt] and report.missing == [missing]
+    assert registry.verify("alpha:latest").ok
