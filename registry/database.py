@@ -30,7 +30,9 @@ MIGRATION_LOCK_KEY = 0x666C617265  # "flare": the PostgreSQL advisory lock for m
 
 
 class UnusableIndexError(FlareError):
-    """The index DB cannot be used as it is."""
+    """The index DB cannot be used as it is (corrupt, or from a newer flare)."""
+
+    exit_code = 10
 
 
 def filesystem_type(path: Path) -> str:
@@ -89,26 +91,31 @@ class IndexDB:
 
     def migrate(self) -> str:
         """Bring the schema to this flare's head under a lock; refuse a newer schema."""
-        with self._migration_lock(), self.engine.begin() as connection:
-            config = alembic_config()
-            config.attributes["connection"] = connection
-            current = self._current(connection)
-            known = {s.revision for s in ScriptDirectory.from_config(config).walk_revisions()}
-            if current is not None and current not in known:
-                raise UnusableIndexError(
-                    f"the index DB {self._where()} has schema {current}, newer than this flare",
-                    "upgrade flare on this host",
-                )
-            command.upgrade(config, "head")
-            return ScriptDirectory.from_config(config).get_current_head() or ""
+        try:
+            with self._migration_lock(), self.engine.begin() as connection:
+                return self._upgrade(connection)
+        except DatabaseError as exc:
+            if self._is_corrupt(exc):
+                raise self._corrupt(exc) from exc
+            raise
+
+    def _upgrade(self, connection) -> str:  # type: ignore[no-untyped-def]
+        config = alembic_config()
+        config.attributes["connection"] = connection
+        scripts = ScriptDirectory.from_config(config)
+        current = self._current(connection)
+        if current is not None and current not in {s.revision for s in scripts.walk_revisions()}:
+            raise UnusableIndexError(
+                f"the index DB {self._where()} has schema {current}, newer than this flare",
+                "upgrade flare on this host",
+            )
+        command.upgrade(config, "head")
+        return scripts.get_current_head() or ""
 
     def _current(self, connection) -> str | None:  # type: ignore[no-untyped-def]
-        try:
-            if not inspect(connection).has_table("alembic_version"):
-                return None
-            row = connection.execute(text("SELECT version_num FROM alembic_version")).first()
-        except DatabaseError as exc:
-            raise (self._corrupt(exc) if self._is_corrupt(exc) else exc) from exc
+        if not inspect(connection).has_table("alembic_version"):
+            return None
+        row = connection.execute(text("SELECT version_num FROM alembic_version")).first()
         return None if row is None else str(row[0])
 
     @contextmanager
