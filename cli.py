@@ -115,7 +115,9 @@ def progress_bar(description: str, total: int) -> Iterator[Advance]:
         yield lambda n: bar.advance(task, n)
 
 
-def open_registry(location: str | None = None, set_aside_corrupt: bool = False) -> Registry:
+def open_registry(
+    location: str | None = None, set_aside_corrupt: bool = False, create: bool = False
+) -> Registry:
     """The registry a command acts on: --registry, else the configured one.
 
     For reindex, an unreadable SQLite index is moved aside (kept, renamed) and a new one made.
@@ -124,7 +126,7 @@ def open_registry(location: str | None = None, set_aside_corrupt: bool = False) 
     where = location or config.registry
     database = config.database or default_database(where, config.home)
     try:
-        return Registry(where, database, config.store_encoding, config.zstd_level)
+        return Registry(where, database, config.store_encoding, config.zstd_level, create)
     except UnusableIndexError:
         if not (set_aside_corrupt and database.startswith("sqlite:///")):
             raise
@@ -191,7 +193,7 @@ class BuildProgress:
 @app.command("build")
 def build_command(
     source: Annotated[
-        str | None, typer.Argument(help="Checkpoint folder, or ORG/NAME[@REVISION].")
+        str | None, typer.Argument(help="Checkpoint folder, or ORG/NAME\\[@REVISION].")
     ] = None,
     name: Annotated[str | None, typer.Option(help="Package name.")] = None,
     tag: Annotated[str, typer.Option(help="Tag to point at the package.")] = "latest",
@@ -210,7 +212,7 @@ def build_command(
 ) -> None:
     """Build a package from a checkpoint, resumably, and publish it to the registry."""
     config = load_config()
-    target = open_registry(registry)
+    target = open_registry(registry, create=check is None)
     progress = BuildProgress()
     if check is not None:
         with progress.bar:
@@ -309,7 +311,7 @@ def demo_command(as_json: JsonOption = False) -> None:
         hub_cache=config["paths.hub_cache"],
     )
     progress = BuildProgress()
-    registry = open_registry()
+    registry = open_registry(create=True)
     with progress.bar:
         result = Build(request, registry, progress).run()
     report = registry.verify(f"tiny-llama@{result.digest.hex}")
@@ -650,7 +652,7 @@ def registry_copy(
     as_json: JsonOption = False,
 ) -> None:
     """Copy a package (blobs, index, tags, pins) to another registry; resumable, verified."""
-    origin, dest = open_registry(source), open_registry(to)
+    origin, dest = open_registry(source), open_registry(to, create=True)
     _, _, manifest = origin.manifest(ref)
     with progress_bar("copy", manifest.total_size()) as advance:
         report = copy_package(origin, dest, ref, workers, advance)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from flare.build.sources import Source
-from flare.store.errors import FlareError, InvalidInputError, NotFoundError, from_os_error
+from flare.store.errors import InvalidInputError, NotFoundError, from_os_error
 from flare.store.safetensors import FormatError, read_header
 
 SHARD_INDEX = "model.safetensors.index.json"
@@ -105,7 +105,7 @@ def _check_shard_map(source: Source, tensors: dict[str, SourceTensor]) -> None:
     for tensor_name, file in _shard_map(source).items():
         where = tensors.get(tensor_name)
         if where is None or where.file != file:
-            raise FlareError(
+            raise FormatError(
                 f"{SHARD_INDEX} puts {tensor_name} in {file}, which does not hold it",
                 "the checkpoint is inconsistent; re-download it",
             )

@@ -23,10 +23,10 @@ from flare.build.recipes import recipe_for
 from flare.build.recipes.base import Recipe, check_tensors
 from flare.build.sources import Source, resolve_source
 from flare.build.statcache import StatCache, digest_files
-from flare.registry.leases import hold_lease
+from flare.registry.leases import Lease, add_to_lease, hold_lease
 from flare.registry.registry import Registry
 from flare.store.digest import Digest
-from flare.store.errors import IntegrityError
+from flare.store.errors import IntegrityError, InvalidInputError
 from flare.store.hashing import FileState, check_unchanged, hash_bytes, parallel_map
 from flare.store.package import (
     FORMAT_VERSION,
@@ -39,6 +39,7 @@ from flare.store.package import (
 
 PHASES = ("resolve", "load", "shard", "tune", "compile", "assemble", "publish")
 PAYLOAD_WORKERS = 2
+"""Payloads written at once by default: one hashes while the other waits on the disk."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class BuildRequest:
     rehash: bool = False
     payload_bytes: int = PAYLOAD_BYTES
     workers: int | None = None
-    """Files hashed and payloads written at once (default: the cores); never changes a digest."""
+    """Files hashed and payloads written at once (default: the cores for hashing,
+    PAYLOAD_WORKERS for payloads); never changes a digest."""
 
     def options(self) -> dict[str, Any]:
         """The options that shape the package, recorded in its manifest."""
@@ -112,6 +114,8 @@ class Build:
     ) -> None:
         check_name(request.name)
         check_name(request.tag, "tag")
+        if request.model_id is not None and not 0 < len(request.model_id) <= 256:
+            raise InvalidInputError("--model-id must be 1 to 256 characters", "shorten it")
         self.request = request
         self.registry = registry
         self.store = registry.store
@@ -122,11 +126,23 @@ class Build:
         self.reports: list[PhaseReport] = []
         self.source: Source | None = None
         self.states: dict[str, FileState] = {}
+        self.lease: Lease | None = None
 
     def run(self) -> BuildResult:
         """Every phase in order, under a lease that keeps gc off what the build writes."""
-        with hold_lease(self.store, "build", protect_new=True):
-            return self._run()
+        with hold_lease(self.store, "build", protect_new=True) as self.lease:
+            result = self._run()
+            self._check_published(result.manifest)
+            return result
+
+    def _check_published(self, manifest: Manifest) -> None:
+        """Every blob the package names is stored (a gc racing a resumed build is caught)."""
+        missing = [d for d in manifest.blobs() if not self.store.has(d)]
+        if missing:
+            raise IntegrityError(
+                f"blob {missing[0]} of the new package is gone from {self.store.location}",
+                "a concurrent gc removed it; run the same build again to restore it",
+            )
 
     def _run(self) -> BuildResult:
         """Every phase in order, under a lock on the build's inputs."""
@@ -166,9 +182,10 @@ class Build:
         digests = digest_files(paths, cache, request.rehash, request.workers, self.events.advance)
         self.source = source
         files = {
-            name: {"digest": str(d), "size": size}
-            for name, (d, size) in zip(source.files, digests, strict=True)
+            name: {"digest": str(d), "size": state.size}
+            for name, (d, state) in zip(source.files, digests, strict=True)
         }
+        self.states = {name: state for name, (_, state) in zip(source.files, digests, strict=True)}
         self._finish("resolve", "done" if cache.hashed else "reused", started, total)
         return source, files, recipe, config
 
@@ -249,25 +266,38 @@ class Build:
         assert self.source is not None
         key = inputs_digest("payload", payload.describe())
         record = self.journal.get("payload", key) if self.reuse else None
+        if record is not None:
+            self._keep(Digest.parse(record["digest"]))
         if record is not None and self.store.has(Digest.parse(record["digest"])):
             reused.append(True)
             self.events.advance(size)
             return payload.manifest_entry(record["digest"], record["size"])
         reused.append(False)
         paths = {t.source.file: self.source.root / t.source.file for t in payload.tensors}
-        before = {n: FileState.of(p.stat()) for n, p in paths.items()}
+        self._check_sources(paths)
         with PayloadReader(payload, paths) as reader:
             result = self.store.put_stream(reader, reader.size, progress=self.events.advance)
-        for name, path in paths.items():
-            check_unchanged(path, before[name], FileState.of(path.stat()))
+        self._check_sources(paths)
+        self._keep(result.digest)
         self.journal.put("payload", key, {"digest": str(result.digest), "size": result.size})
         crash_point("assemble:payload")
         return payload.manifest_entry(str(result.digest), result.size)
+
+    def _check_sources(self, paths: dict[str, Path]) -> None:
+        """The files read must still be the files hashed: else the manifest would lie."""
+        for name, path in paths.items():
+            check_unchanged(path, self.states[name], FileState.of(path.stat()))
+
+    def _keep(self, digest: Digest) -> None:
+        """Name a blob this build uses in its lease, so a concurrent gc keeps it."""
+        if self.lease is not None:
+            add_to_lease(self.store, self.lease, digest)
 
     def _artifact(self, name: str, recorded: dict, recipe: Recipe) -> dict[str, Any]:
         """Copy (never link: the source stays the user's) a runtime file; check its digest."""
         assert self.source is not None
         result = self.store.put_file(self.source.root / name, link=False)
+        self._keep(result.digest)
         if str(result.digest) != recorded["digest"]:
             raise IntegrityError(
                 f"{self.source.root / name} changed since it was hashed",
@@ -336,6 +366,8 @@ class Build:
         self.events.phase_started(name, total)
         key = inputs_digest(name, inputs)
         record = self.journal.get(name, key) if self.reuse else None
+        for blob in record["blobs"] if record else []:
+            self._keep(Digest.parse(blob))
         if record is not None and all(self.store.has(Digest.parse(d)) for d in record["blobs"]):
             self.events.advance(total)
             self._finish(name, "reused", started, record["bytes"])

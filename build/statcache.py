@@ -73,19 +73,21 @@ def digest_files(
     rehash: bool = False,
     workers: int | None = None,
     progress: Progress | None = None,
-) -> list[tuple[Digest, int]]:
-    """Digest and size of each file: from its stat record where valid, else hashed in parallel."""
+) -> list[tuple[Digest, FileState]]:
+    """Digest and state of each file: from its stat record where valid, else hashed in parallel.
 
-    def one(path: Path) -> tuple[Digest, int]:
+    The state is what the digest is of: a later reader compares it to catch a changed file."""
+
+    def one(path: Path) -> tuple[Digest, FileState]:
         state = FileState.of(os.stat(path))
         known = None if rehash else cache.lookup(path, state)
         if known is not None:
             if progress:
                 progress(state.size)
-            return known, state.size
+            return known, state
         digest, seen = hash_file_state(path, progress=progress)
         cache.remember(path, seen, digest)
         cache.count_hashed()
-        return digest, seen.size
+        return digest, seen
 
     return parallel_map(one, paths, workers)

@@ -19,7 +19,7 @@ from flare.registry.registry import Registry
 from flare.store.blobs import BlobInfo, blob_key
 from flare.store.digest import Digest
 
-REREAD_ROOTS_S = 1.0
+REREAD_ROOTS_S = 0.2
 
 
 @dataclass
@@ -50,6 +50,11 @@ def roots(registry: Registry) -> tuple[set[Digest], float | None]:
     return found, min(starts) if starts else None
 
 
+def leased_blobs(registry: Registry) -> set[Digest]:
+    """Single blobs live leases hold."""
+    return {Digest.parse(d) for lease in live_leases(registry.store) for d in lease.blobs}
+
+
 def mark(registry: Registry, packages: set[Digest]) -> set[Digest]:
     """Every blob the packages need, indexes included (missing packages mark nothing)."""
     marked: set[Digest] = set()
@@ -65,7 +70,7 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     started = time.time()
     report = GcReport(dry_run=dry_run)
     packages, build_start = roots(registry)
-    marked = mark(registry, packages)
+    marked = mark(registry, packages) | leased_blobs(registry)
     candidates = [i for i in registry.store.iter_blobs() if i.digest not in marked]
     checked_at = time.monotonic()
     for info in candidates:
@@ -91,7 +96,7 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
 def _reread(registry: Registry, packages: set[Digest], marked: set[Digest]) -> tuple[set, float]:
     """Roots added since the mark (a new tag, a new lease) protect their blobs too."""
     fresh, build_start = roots(registry)
-    marked.update(mark(registry, fresh - packages))
+    marked.update(mark(registry, fresh - packages) | leased_blobs(registry))
     return packages | fresh, build_start  # type: ignore[return-value]
 
 

@@ -34,6 +34,8 @@ class Lease:
     holder: str
     purpose: str
     packages: list[str] = field(default_factory=list)
+    blobs: list[str] = field(default_factory=list)
+    """Single blobs in use (a build's reused payloads), kept whatever their age."""
     since: float | None = None
     """For builds: blobs touched at or after this time are kept."""
     expires: float = 0.0
@@ -95,7 +97,8 @@ def hold_lease(
         store.backend.remove(_key(lease.id))
 
 
-def add_to_lease(store: BlobStore, lease: Lease, package: Digest) -> None:
-    """Protect one more package under a held lease."""
-    lease.packages.append(str(package))
-    _write(store, lease)
+def add_to_lease(store: BlobStore, lease: Lease, blob: Digest) -> None:
+    """Protect one more blob under a held lease (written before the holder relies on it)."""
+    if str(blob) not in lease.blobs:
+        lease.blobs.append(str(blob))
+        _write(store, lease)

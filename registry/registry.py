@@ -64,8 +64,14 @@ class Registry:
         database: str,
         encoding: Encoding = Encoding.PLAIN,
         zstd_level: int = 3,
+        create: bool = True,
     ) -> None:
         self.store = BlobStore(location, encoding, zstd_level)
+        if not create and not self.store.backend.list_dir(""):
+            raise NotFoundError(
+                f"no registry at {location}",
+                "check --registry or paths.registry; `flare build` creates one",
+            )
         self.db = IndexDB(database)
         self.db.migrate()
 

@@ -28,14 +28,19 @@ FORMAT_VERSION = 1
 RUNTIME_ABI = 1
 """Bumped whenever the runtime's reading of payloads or artifacts changes incompatibly."""
 MANIFEST_KEY = "flare.manifest"
+_ALL_HEX = re.compile(r"[0-9a-f]{8,}")
+"""Names that would read as a digest prefix."""
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 
 
 def check_name(name: str, what: str = "package name") -> str:
     """Names and tags: lowercase letters, digits, `.`, `_`, `-`; at most 128 characters."""
-    if not _NAME.fullmatch(name):  # match's `$` would let a trailing newline through
+    if not _NAME.fullmatch(name) or _ALL_HEX.fullmatch(
+        name
+    ):  # match's `$` would let a trailing newline through
         raise InvalidInputError(
-            f"bad {what} {name!r}", "use lowercase letters, digits, '.', '_' and '-' (max 128)"
+            f"bad {what} {name!r}",
+            "use lowercase letters, digits, '.', '_' and '-' (max 128; not 8+ hex digits alone)",
         )
     return name
 
@@ -65,6 +70,13 @@ def _digest(value: str) -> str:
 
 def _bad_digest(value: str) -> str:
     raise ValueError(f"not a digest: {value!r}")
+
+
+def _name(value: str) -> str:
+    try:
+        return check_name(value)
+    except InvalidInputError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _dtype(value: str) -> str:
@@ -145,7 +157,7 @@ class Artifact(Strict):
 
 class Manifest(Strict):
     format: int
-    name: str
+    name: Annotated[str, AfterValidator(_name)]
     model: Model
     recipe: Recipe
     options: dict[str, Any]

@@ -18,6 +18,7 @@ from safetensors.torch import load, load_file
 
 from flare.build.pipeline import Build, BuildRequest, PhaseReport
 from flare.registry.refs import read_manifest, resolve_package
+from flare.registry.registry import Registry
 from flare.store import BlobStore, Digest
 from flare.store.errors import InvalidInputError, NotFoundError
 from flare.store.package import Manifest
@@ -58,7 +59,8 @@ def build(
     source: Path | str, tmp: Path, ranks: int = 1, name: str = "tiny", **kwargs: object
 ) -> tuple[Digest, Manifest, BlobStore, Quiet]:
     """Build with staging and registry under tmp; return the digest and manifest."""
-    store = BlobStore(tmp / "registry")
+    registry = Registry(str(tmp / "registry"), f"sqlite:///{tmp / 'index.db'}")
+    store = registry.store
     events = Quiet()
     request = BuildRequest(
         source=str(source),
@@ -68,7 +70,8 @@ def build(
         ranks=ranks,
         **kwargs,  # type: ignore[arg-type]
     )
-    result = Build(request, store, events).run()
+    result = Build(request, registry, events).run()
+    registry.db.dispose()
     assert resolve_package(store, name)[1] == result.digest
     return result.digest, read_manifest(store, result.digest), store, events
 
@@ -218,7 +221,8 @@ def test_ranks_that_do_not_divide_are_refused_before_any_work(
     with pytest.raises(InvalidInputError, match="does not divide num_key_value_heads") as info:
         build(checkpoints / "LlamaForCausalLM", tmp_path, ranks=8)
     assert "use one of: 1, 2, 4" in str(info.value)
-    assert not (tmp_path / "staging").exists() and not (tmp_path / "registry").exists()
+    assert not (tmp_path / "staging").exists()
+    assert not (tmp_path / "registry" / "blobs").exists()
 
 
 def test_unknown_architecture_lists_the_supported_ones(checkpoints: Path, tmp_path: Path) -> None:

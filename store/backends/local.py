@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -263,8 +264,9 @@ class LocalBackend:
         write_file_atomic(self._path(key), data)
 
     def list_dir(self, prefix: str) -> list[str]:
+        """Names under a folder, without dot-files (a small file's temp copy while written)."""
         try:
-            return sorted(os.listdir(self._path(prefix)))
+            return sorted(n for n in os.listdir(self._path(prefix)) if not n.startswith("."))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
@@ -275,12 +277,9 @@ class LocalBackend:
             return None
 
     def touch(self, key: str) -> None:
-        try:
+        """Best effort: another user's blob cannot be touched (leases protect it instead)."""
+        with contextlib.suppress(FileNotFoundError, PermissionError):
             os.utime(self._path(key))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise from_os_error(exc, "touch", self._path(key)) from exc
 
     def free_bytes(self) -> int | None:
         try:
