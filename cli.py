@@ -27,7 +27,6 @@ from rich.table import Table
 
 from flare.build.check import CheckResult, check_build
 from flare.build.pipeline import Build, BuildRequest, BuildResult, PhaseReport
-from flare.build.tiny import make_tiny_llama
 from flare.config import load_config, parse_duration, parse_size
 from flare.registry.copy import copy_package
 from flare.registry.database import UnusableIndexError
@@ -302,6 +301,8 @@ def demo_command(as_json: JsonOption = False) -> None:
     config = load_config()
     source = config.home / "demo" / "tiny-llama"
     if not (source / "model.safetensors").exists():
+        from flare.build.tiny import make_tiny_llama  # numpy: only the demo needs it here
+
         err.print(f"making a tiny seeded model in {source}", markup=False)
         make_tiny_llama(source)
     request = BuildRequest(

@@ -200,3 +200,11 @@ def test_verify_tells_corrupt_and_missing_apart(
     report = registry.verify()
     assert report.corrupt == [corrupt] and report.missing == [missing]
     assert registry.verify("alpha:latest").ok
+
+
+def test_schema_head_constant_matches_the_migrations() -> None:
+    from alembic.script import ScriptDirectory
+
+    from flare.registry.database import SCHEMA_HEAD, alembic_config
+
+    assert ScriptDirectory.from_config(alembic_config()).get_current_head() == SCHEMA_HEAD
