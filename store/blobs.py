@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import os
+import queue
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -120,27 +122,77 @@ def copy_hashing(
 ) -> tuple[str, int]:
     """Copy a stream to a sink, hashing it on the way: one pass over the bytes.
 
-    With a limit, copies at most that many bytes and reads one more to tell whether the
-    source held more: a growing file never keeps the copy going.
+    A writer thread writes each chunk while the next is read and hashed (single-threaded:
+    the other core is writing), so a durable put costs about what `cp` and `sync` do. With a
+    limit, copies at most that many bytes and reads one more to tell whether the source held
+    more: a growing file never keeps the copy going.
     """
-    hasher = new_hasher()
-    buffer = bytearray(COPY_CHUNK)
-    view = memoryview(buffer)
-    total = 0
-    while limit is None or total < limit:
-        want = COPY_CHUNK if limit is None else min(COPY_CHUNK, limit - total)
-        read = source.readinto(view[:want])  # type: ignore[attr-defined]
-        if not read:
-            break
-        chunk = view[:read]
-        hasher.update(chunk)
-        sink.write(chunk)
-        total += read
-        if progress:
-            progress(read)
+    hasher = new_hasher(1)
+    with _ChunkWriter(sink) as writer:
+        total = 0
+        while limit is None or total < limit:
+            chunk = writer.free_buffer()
+            want = COPY_CHUNK if limit is None else min(COPY_CHUNK, limit - total)
+            read = source.readinto(chunk[:want])  # type: ignore[attr-defined]
+            if not read:
+                writer.give_back(chunk)
+                break
+            hasher.update(chunk[:read])
+            writer.write(chunk, read)
+            total += read
+            if progress:
+                progress(read)
     if limit is not None and total == limit and source.read(1):
         total += 1
     return hasher.hexdigest(), total
+
+
+class _ChunkWriter:
+    """Writes chunks on a thread of its own, from a small ring of reusable buffers."""
+
+    DEPTH = 3
+
+    def __init__(self, sink: BinaryIO) -> None:
+        self._sink = sink
+        self._free: queue.Queue[memoryview] = queue.Queue()
+        for _ in range(self.DEPTH):
+            self._free.put(memoryview(bytearray(COPY_CHUNK)))
+        self._full: queue.Queue[tuple[memoryview, int] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="blob-writer", daemon=True)
+
+    def __enter__(self) -> _ChunkWriter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._full.put(None)
+        self._thread.join()
+        if self._error is not None and exc_info[0] is None:
+            raise self._error
+
+    def free_buffer(self) -> memoryview:
+        """A buffer to read into; raises the writer's error as soon as there is one."""
+        buffer = self._free.get()
+        if self._error is not None:
+            raise self._error
+        return buffer
+
+    def give_back(self, buffer: memoryview) -> None:
+        self._free.put(buffer)
+
+    def write(self, buffer: memoryview, length: int) -> None:
+        self._full.put((buffer, length))
+
+    def _run(self) -> None:
+        while (item := self._full.get()) is not None:
+            buffer, length = item
+            if self._error is None:
+                try:
+                    self._sink.write(buffer[:length])
+                except BaseException as exc:  # handed to the reading thread
+                    self._error = exc
+            self._free.put(buffer)
 
 
 class BlobStore:
