@@ -129,9 +129,15 @@ class Build:
         self.lease: Lease | None = None
 
     def run(self) -> BuildResult:
-        """Every phase in order, under a lease that keeps gc off what the build writes."""
+        """Check the request, then every phase under a lease that keeps gc off its blobs."""
+        started = time.perf_counter()
+        request = self.request
+        self.source = resolve_source(request.source, request.hub_cache, request.model_id)
+        config = read_config(self.source)
+        recipe, _architecture = recipe_for(config)
+        recipe.check_ranks(config, request.ranks)  # refused before any work is done
         with hold_lease(self.store, "build", protect_new=True) as self.lease:
-            result = self._run()
+            result = self._run(started, recipe, config)
             self._check_published(result.manifest)
             return result
 
@@ -144,10 +150,11 @@ class Build:
                 "a concurrent gc removed it; run the same build again to restore it",
             )
 
-    def _run(self) -> BuildResult:
+    def _run(self, started: float, recipe: Recipe, config: dict[str, Any]) -> BuildResult:
         """Every phase in order, under a lock on the build's inputs."""
-        started = time.perf_counter()
-        source, files, recipe, config = self._resolve(started)
+        assert self.source is not None
+        source = self.source
+        files = self._resolve(started)
         build_key = self._inputs_digest(files, recipe)
         record = {"source": str(source.root), "request": self.request.recorded()}
         self.journal.put("builds", build_key, record)
@@ -168,26 +175,22 @@ class Build:
 
     # -- phases ----------------------------------------------------------------------------
 
-    def _resolve(self, started: float) -> tuple[Source, dict[str, dict[str, Any]], Recipe, dict]:
-        """Find the checkpoint, pick the recipe, refuse bad ranks, then digest every file."""
-        request = self.request
-        source = resolve_source(request.source, request.hub_cache, request.model_id)
-        config = read_config(source)
-        recipe, _architecture = recipe_for(config)
-        recipe.check_ranks(config, request.ranks)
+    def _resolve(self, started: float) -> dict[str, dict[str, Any]]:
+        """Digest every source file (from stat records where they are still true)."""
+        assert self.source is not None
+        request, source = self.request, self.source
         paths = [source.root / f for f in source.files]
         total = sum(p.stat().st_size for p in paths)
         self.events.phase_started("resolve", total)
         cache = StatCache(request.staging / "stat")
         digests = digest_files(paths, cache, request.rehash, request.workers, self.events.advance)
-        self.source = source
         files = {
             name: {"digest": str(d), "size": state.size}
             for name, (d, state) in zip(source.files, digests, strict=True)
         }
         self.states = {name: state for name, (_, state) in zip(source.files, digests, strict=True)}
         self._finish("resolve", "done" if cache.hashed else "reused", started, total)
-        return source, files, recipe, config
+        return files
 
     def _load(self, files: dict, recipe: Recipe, config: dict) -> dict[str, SourceTensor]:
         assert self.source is not None

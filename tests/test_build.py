@@ -223,6 +223,7 @@ def test_ranks_that_do_not_divide_are_refused_before_any_work(
     assert "use one of: 1, 2, 4" in str(info.value)
     assert not (tmp_path / "staging").exists()
     assert not (tmp_path / "registry" / "blobs").exists()
+    assert not (tmp_path / "registry" / "leases").exists()
 
 
 def test_unknown_architecture_lists_the_supported_ones(checkpoints: Path, tmp_path: Path) -> None:
