@@ -39,14 +39,18 @@ from flare.store.hashing import (
     FileState,
     Progress,
     check_unchanged,
+    hash_bytes,
     hash_file,
     new_hasher,
     parallel_map,
 )
 
 BLOB_DIR = "blobs/blake3"
+_HEX = frozenset("0123456789abcdef")
 QUARANTINE_DIR = "quarantine"
 COPY_CHUNK = 16 << 20
+LARGE_BLOB = 64 << 20
+"""Blobs this large are hashed one at a time, each on all threads (as b3sum does)."""
 
 
 @dataclass(frozen=True)
@@ -109,12 +113,9 @@ def parse_blob_key(key: str) -> tuple[Digest, Encoding] | None:
     name = parts[3]
     encoding = Encoding.ZSTD if name.endswith(Encoding.ZSTD.suffix) else Encoding.PLAIN
     hex_part = name.removesuffix(encoding.suffix)
-    if len(hex_part) != HEX_LENGTH or parts[2] != hex_part[:2]:
+    if len(hex_part) != HEX_LENGTH or parts[2] != hex_part[:2] or not _HEX.issuperset(hex_part):
         return None
-    try:
-        return Digest(hex_part), encoding
-    except FlareError:
-        return None
+    return Digest.from_checked_hex(hex_part), encoding
 
 
 def copy_hashing(
@@ -128,6 +129,14 @@ def copy_hashing(
     more: a growing file never keeps the copy going.
     """
     hasher = new_hasher(1)
+    if limit is not None and limit <= COPY_CHUNK:
+        data = source.read(limit) or b""
+        hasher.update(data)
+        sink.write(data)
+        if progress and data:
+            progress(len(data))
+        extra = len(source.read(1) or b"") if len(data) == limit else 0
+        return hasher.hexdigest(), len(data) + extra
     with _ChunkWriter(sink) as writer:
         total = 0
         while limit is None or total < limit:
@@ -155,8 +164,7 @@ class _ChunkWriter:
     def __init__(self, sink: BinaryIO) -> None:
         self._sink = sink
         self._free: queue.Queue[memoryview] = queue.Queue()
-        for _ in range(self.DEPTH):
-            self._free.put(memoryview(bytearray(COPY_CHUNK)))
+        self._allocated = 0
         self._full: queue.Queue[tuple[memoryview, int] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="blob-writer", daemon=True)
@@ -173,6 +181,9 @@ class _ChunkWriter:
 
     def free_buffer(self) -> memoryview:
         """A buffer to read into; raises the writer's error as soon as there is one."""
+        if self._free.empty() and self._allocated < self.DEPTH:
+            self._allocated += 1
+            return memoryview(bytearray(COPY_CHUNK))
         buffer = self._free.get()
         if self._error is not None:
             raise self._error
@@ -222,6 +233,13 @@ class BlobStore:
 
     def has(self, digest: Digest) -> bool:
         return self.locate(digest) is not None
+
+    def iter_blob_names(self) -> Iterator[tuple[Digest, Encoding]]:
+        """Every stored blob's digest and encoding, listed without a stat per blob."""
+        for key in self.backend.iter_names(BLOB_DIR):
+            parsed = parse_blob_key(key)
+            if parsed is not None:
+                yield parsed
 
     def iter_blobs(self, stray: list[str] | None = None) -> Iterator[BlobInfo]:
         """Every stored blob; files that are not blobs are appended to `stray` if given."""
@@ -450,12 +468,11 @@ class BlobStore:
         return io.BufferedReader(reader, COPY_CHUNK)  # type: ignore[return-value]
 
     def read_bytes(self, digest: Digest) -> bytes:
-        """The blob's content, checked against its digest."""
-        sink = io.BytesIO()
+        """The blob's content (a small one: an index, a ref), checked against its digest."""
         with self.open(digest) as reader:
-            hex_digest, _ = copy_hashing(reader, sink, None)
-        self._check_digest(digest, hex_digest)
-        return sink.getvalue()
+            data = reader.read()
+        self._check_digest(digest, hash_bytes(data).hex)
+        return data
 
     def get(self, digest: Digest, dest: Path, progress: Progress | None = None) -> tuple[Path, int]:
         """Write the blob's content to `dest` (a file, or a folder to write into) atomically,
@@ -501,8 +518,11 @@ class BlobStore:
             located = [(d, self.locate(d)) for d in digests]
             report.missing = [d for d, info in located if info is None]
             infos = [info for _, info in located if info is not None]
-        intact = parallel_map(lambda info: self._is_intact(info, progress), infos, workers)
-        for info, ok in zip(infos, intact, strict=True):
+        large = [i for i in infos if i.stored_size >= LARGE_BLOB]
+        small = [i for i in infos if i.stored_size < LARGE_BLOB]
+        intact = [self._is_intact(info, progress) for info in large]  # each on every thread
+        intact += parallel_map(lambda info: self._is_intact(info, progress), small, workers)
+        for info, ok in zip(large + small, intact, strict=True):
             report.checked += 1
             report.checked_bytes += info.stored_size
             if not ok:

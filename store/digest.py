@@ -29,6 +29,13 @@ class Digest:
     def __str__(self) -> str:
         return f"{ALGORITHM}:{self.hex}"
 
+    @classmethod
+    def from_checked_hex(cls, hex_digest: str) -> Digest:
+        """A digest from hex the caller has already checked (64 lowercase hex digits)."""
+        digest = object.__new__(cls)
+        object.__setattr__(digest, "hex", hex_digest)
+        return digest
+
     def short(self, length: int = 12) -> str:
         """The first hex digits, enough to tell digests apart in a listing."""
         return self.hex[:length]

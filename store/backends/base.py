@@ -65,8 +65,11 @@ class Backend(Protocol):
     def discard(self, temp: TempFile) -> None:
         """Close and remove a temp file that will not be published."""
 
+    def iter_names(self, prefix: str) -> Iterator[str]:
+        """The key of every file under the folder `prefix`, recursively, without a stat each."""
+
     def iter_files(self, prefix: str) -> Iterator[StoredFile]:
-        """Every file under the folder `prefix`, recursively."""
+        """Every file under the folder `prefix`, recursively, with its size."""
 
     def move(self, key: str, new_key: str) -> None:
         """Move a file to another key (used to quarantine corrupt blobs)."""

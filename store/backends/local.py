@@ -212,16 +212,30 @@ class LocalBackend:
         if temp.path is not None:
             temp.path.unlink(missing_ok=True)
 
+    def iter_names(self, prefix: str) -> Iterator[str]:
+        """Folders are told from files by the directory entry's type: no stat per file."""
+        folders = [prefix.strip("/")]
+        root = str(self.root)
+        while folders:
+            folder = folders.pop()
+            try:
+                entries = list(os.scandir(f"{root}/{folder}"))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                key = f"{folder}/{entry.name}"
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(key)
+                else:
+                    yield key
+
     def iter_files(self, prefix: str) -> Iterator[StoredFile]:
-        top = self._path(prefix)
-        for dirpath, _dirs, files in os.walk(top):
-            rel = Path(dirpath).relative_to(self.root)
-            for name in files:
-                try:
-                    size = os.stat(os.path.join(dirpath, name)).st_size
-                except FileNotFoundError:
-                    continue
-                yield StoredFile(key=f"{rel.as_posix()}/{name}", size=size)
+        root = str(self.root)
+        for key in self.iter_names(prefix):
+            try:
+                yield StoredFile(key=key, size=os.stat(f"{root}/{key}").st_size)
+            except FileNotFoundError:
+                continue
 
     def move(self, key: str, new_key: str) -> None:
         dest = self._path(new_key)

@@ -86,6 +86,10 @@ class FsspecBackend:
         temp.file.close()
         self.remove(temp.key)
 
+    def iter_names(self, prefix: str) -> Iterator[str]:
+        for stored in self.iter_files(prefix):
+            yield stored.key
+
     def iter_files(self, prefix: str) -> Iterator[StoredFile]:
         top = self._path(prefix)
         if not self.fs.exists(top):
