@@ -85,8 +85,8 @@ def _root(
 
 
 def print_json(data: Any) -> None:
-    """JSON on stdout, for scripts."""
-    out.out(json.dumps(data, indent=2, sort_keys=True, default=str), highlight=False)
+    """JSON on stdout, for scripts (written directly: rich is slow on megabytes of text)."""
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -123,11 +123,12 @@ def open_registry(
     """
     config = load_config()
     where = location or config.registry
-    database = config.database or default_database(where, config.home)
+    configured = config.database and where == config.registry
+    database = config.database if configured else default_database(where, config.home)
     try:
         return Registry(where, database, config.store_encoding, config.zstd_level, create)
-    except UnusableIndexError:
-        if not (set_aside_corrupt and database.startswith("sqlite:///")):
+    except UnusableIndexError as exc:
+        if not (set_aside_corrupt and exc.corrupt and database.startswith("sqlite:///")):
             raise
     broken = Path(database.removeprefix("sqlite:///"))
     broken.rename(broken.with_name(f"{broken.name}.corrupt"))
@@ -660,9 +661,10 @@ def registry_copy(
     if as_json:
         print_json({**asdict(report), "digest": str(report.digest)})
         return
+    how = ", ".join(f"{count} {method}" for method, count in sorted(report.methods.items()))
     out.print(
         f"copied {report.name or ''}@{report.digest} to {dest.location} "
-        f"({decimal(report.bytes)}; {report.methods})"
+        f"({decimal(report.bytes)}; {how})"
     )
 
 

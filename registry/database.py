@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from sqlalchemy import create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DatabaseError
+from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from flare.store.errors import FlareError
@@ -30,9 +30,18 @@ at it opens without loading alembic, which keeps every command's start-up short.
 
 
 class UnusableIndexError(FlareError):
-    """The index DB cannot be used as it is (corrupt, or from a newer flare)."""
+    """The index DB cannot be used as it is: unreachable, from a newer flare, or corrupt."""
 
     exit_code = 10
+
+    def __init__(self, what: str, hint: str = "", corrupt: bool = False) -> None:
+        super().__init__(what, hint)
+        self.corrupt = corrupt
+
+
+def _retryable(exc: DatabaseError) -> bool:
+    """Another writer holds the lock, or inserted the same row first (the retry will merge)."""
+    return isinstance(exc, IntegrityError) or "locked" in str(exc)
 
 
 def filesystem_type(path: Path) -> str:
@@ -69,7 +78,12 @@ class IndexDB:
         self.sqlite_path = Path(parsed.database) if parsed.get_backend_name() == "sqlite" else None
         if self.sqlite_path is not None:
             self.sqlite_path.parent.mkdir(parents=True, exist_ok=True)
-        self.engine = create_engine(url)
+        try:
+            self.engine = create_engine(url)
+        except (ArgumentError, ImportError, ValueError) as exc:
+            raise UnusableIndexError(
+                f"bad index DB URL {url!r}: {exc}", "use e.g. postgresql+psycopg://user@host/db"
+            ) from exc
         if self.sqlite_path is not None:
             self._configure_sqlite()
         self.sessions = sessionmaker(self.engine, expire_on_commit=False)
@@ -101,9 +115,7 @@ class IndexDB:
             with self._migration_lock(), self.engine.begin() as connection:
                 return self._upgrade(connection)
         except DatabaseError as exc:
-            if self._is_corrupt(exc):
-                raise self._corrupt(exc) from exc
-            raise
+            raise (self._corrupt(exc) if self._is_corrupt(exc) else self._unreachable(exc)) from exc
 
     def _upgrade(self, connection) -> str:  # type: ignore[no-untyped-def]
         from alembic import command
@@ -165,7 +177,7 @@ class IndexDB:
             except DatabaseError as exc:
                 if self._is_corrupt(exc):
                     raise self._corrupt(exc) from exc
-                if "locked" not in str(exc) or attempt == WRITE_RETRIES - 1:
+                if not _retryable(exc) or attempt == WRITE_RETRIES - 1:
                     raise
                 time.sleep(0.05 * 2**attempt)
         raise AssertionError("unreachable")
@@ -178,6 +190,13 @@ class IndexDB:
         return UnusableIndexError(
             f"the index DB {self._where()} is unreadable ({str(exc).splitlines()[0]})",
             "run `flare registry reindex` to rebuild it from the store",
+            corrupt=True,
+        )
+
+    def _unreachable(self, exc: Exception) -> FlareError:
+        return UnusableIndexError(
+            f"cannot use the index DB {self._where()}: {str(exc).splitlines()[0]}",
+            "check registry.database (FLARE_DATABASE) and that the server is up",
         )
 
     def _where(self) -> str:

@@ -3,9 +3,10 @@
 Mark: roots are every tag and pin in the store's ref files and every package a live lease
 names; each root keeps its index and every blob its manifest names. Sweep: a blob nobody
 reaches is deleted only if it was not touched within the grace period, nor since the start
-of a live build lease, checked again just before it goes; roots are read again every second
-of the sweep. Deleting one blob file is atomic, so a collector killed at any point leaves a
-store whose every remaining blob is intact.
+of a live build lease, checked again just before it goes; roots are read again every
+REREAD_ROOTS_S of the sweep. Deleting one blob file is atomic, so a collector killed at any
+point leaves a store whose every remaining blob is intact; the next one forgets the records of
+packages it had swept.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from flare.registry import refs
-from flare.registry.leases import live_leases
+from flare.registry.leases import drop_expired_leases, live_leases
 from flare.registry.registry import Registry
 from flare.store.blobs import BlobInfo, blob_key
 from flare.store.digest import Digest
@@ -90,6 +91,7 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     if not dry_run:
         report.forgotten = _forget_swept(registry, set(report.deleted))
         report.temp_files = registry.store.sweep_temps()
+        drop_expired_leases(registry.store)
     return report
 
 
@@ -109,11 +111,14 @@ def _recent(registry: Registry, info: BlobInfo, cutoff: float, build_start: floa
 
 
 def _forget_swept(registry: Registry, deleted: set[str]) -> list[str]:
-    """Drop name records (and index rows) of packages whose index was swept."""
-    forgotten = []
-    for name in refs.names(registry.store):
-        for digest in refs.packages_of(registry.store, name):
-            if str(digest) in deleted:
+    """Drop name records (and index rows) of untagged, unpinned packages whose index is gone:
+    swept now, or by an earlier collector killed before it could forget them."""
+    store, forgotten = registry.store, []
+    for name in refs.names(store):
+        kept = set(refs.tags_of(store, name).values()) | set(refs.pins_of(store, name))
+        for digest in refs.packages_of(store, name):
+            gone = str(digest) in deleted or not store.has(digest)
+            if gone and digest not in kept:
                 registry.forget(name, digest)
                 forgotten.append(f"{name}@{digest}")
     return forgotten

@@ -67,6 +67,21 @@ def live_leases(store: BlobStore) -> list[Lease]:
     return found
 
 
+def drop_expired_leases(store: BlobStore, older_than_s: float = 3600.0) -> list[str]:
+    """Remove lease files that expired long ago (their holders died without cleaning up)."""
+    cutoff, dropped = time.time() - older_than_s, []
+    for name in store.backend.list_dir(LEASES_DIR):
+        data = store.backend.read(f"{LEASES_DIR}/{name}")
+        try:
+            expires = float(json.loads(data or b"")["expires"])
+        except (ValueError, TypeError, KeyError):
+            continue
+        if expires < cutoff:
+            store.backend.remove(f"{LEASES_DIR}/{name}")
+            dropped.append(name)
+    return dropped
+
+
 @contextmanager
 def hold_lease(
     store: BlobStore, purpose: str, packages: list[Digest] | None = None, protect_new: bool = False

@@ -208,3 +208,16 @@ def test_schema_head_constant_matches_the_migrations() -> None:
     from flare.registry.database import SCHEMA_HEAD, alembic_config
 
     assert ScriptDirectory.from_config(alembic_config()).get_current_head() == SCHEMA_HEAD
+
+
+def test_gc_forgets_records_a_killed_gc_left_behind(
+    registry: Registry, sources: Path, tmp_path: Path
+) -> None:
+    made = fill(registry, sources, tmp_path)
+    old = made["old"]
+    refs.untag(registry.store, "alpha", "old")  # the record stays, as after a moved tag
+    blob_path(registry, old).unlink()  # swept by a collector killed before it forgot it
+    report = collect(registry, grace_s=0)
+    assert f"alpha@{old}" in report.forgotten
+    assert registry.verify().ok
+    assert all(r.digest != str(old) for r in registry.listings())

@@ -207,3 +207,14 @@ def test_reindex_after_losing_or_corrupting_the_sqlite_index(tmp_path: Path, sou
     flare(env, "registry", "reindex")
     assert flare(env, "registry", "ls", "--json").stdout == before
     assert (index.parent / "index.db.corrupt").exists()
+
+
+def test_hosts_publishing_the_same_package_at_once(lab: dict[str, str], sources: Path) -> None:
+    hosts = [
+        start(lab, "build", str(sources / "tiny-0"), "--name", "same", "--json") for _ in range(4)
+    ]
+    results = [host.communicate(timeout=300) for host in hosts]
+    assert [host.returncode for host in hosts] == [0] * 4, [err for _, err in results]
+    assert len({json.loads(out)["digest"] for out, _ in results}) == 1
+    rows = json.loads(flare(lab, "registry", "ls", "--json").stdout)
+    assert [(r["name"], r["tags"]) for r in rows] == [("same", ["latest"])]
