@@ -41,6 +41,7 @@ from flare.store.hashing import (
     check_unchanged,
     hash_bytes,
     hash_file,
+    hash_file_state,
     new_hasher,
     parallel_map,
 )
@@ -401,19 +402,28 @@ class BlobStore:
     def _put_linked(
         self, path: Path, progress: Progress | None, expect: Digest | None = None
     ) -> PutResult | None:
-        """Share the file's bytes with a temp file (reflink, else hardlink), hash, publish."""
+        """Share the file's bytes with a temp file (reflink, else hardlink), hash, publish.
+
+        A reflink is a new inode whose pages are not cached yet, so the source is hashed
+        instead: its state, unchanged from before the clone to after the hash, proves the
+        clone holds the hashed bytes. A hardlink is the source's own inode: it is hashed as is.
+        """
         self._prepare_writes()
+        before = FileState.of(os.stat(path))
         linked = self.backend.link_temp(path)
         if linked is None:
             return None
         temp, method = linked
         try:
             assert temp.path is not None
-            digest, size = hash_file(temp.path, progress=progress)
+            hashed = path if method == "reflink" else temp.path
+            digest, seen = hash_file_state(hashed, progress=progress)
+            if method == "reflink":
+                check_unchanged(path, before, seen)
         except BaseException:
             self.backend.discard(temp)
             raise
-        return self._publish(temp, digest, size, method, expect)
+        return self._publish(temp, digest, seen.size, method, expect)
 
     def _publish(
         self, temp: TempFile, digest: Digest, size: int, method: str, expect: Digest | None

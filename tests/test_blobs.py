@@ -6,7 +6,9 @@ import io
 import multiprocessing
 import os
 import stat
+import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -314,3 +316,34 @@ def test_memory_backend_through_fsspec(tmp_path: Path) -> None:
     local = BlobStore(tmp_path / "local")
     assert remote.copy_to(local, result.digest).method == "copy"
     assert local.read_bytes(result.digest) == data
+
+
+@pytest.fixture
+def xfs(tmp_path: Path) -> Iterator[Path]:
+    """A loop-mounted XFS with reflinks (root and xfsprogs needed; skipped without them)."""
+    image, mount = tmp_path / "xfs.img", tmp_path / "xfs"
+    with open(image, "wb") as handle:
+        handle.truncate(512 << 20)
+    made = subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", str(image)], capture_output=True)
+    mount.mkdir()
+    if (
+        made.returncode != 0
+        or subprocess.run(
+            ["mount", "-o", "loop", str(image), str(mount)], capture_output=True
+        ).returncode
+    ):
+        pytest.skip("no mkfs.xfs or loop mounts here")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_reflink_import_shares_extents_and_leaves_the_source_alone(xfs: Path) -> None:
+    store = BlobStore(xfs / "store")
+    source = xfs / "model.safetensors"
+    data = write_random(source, 8 << 20)
+    result = store.put_file(source)
+    assert result.method == "reflink"
+    assert source.stat().st_mode & 0o200, "a reflinked source stays writable"
+    with open(source, "r+b") as handle:  # the user edits their file afterwards
+        handle.write(b"\x00" * 4096)
+    assert store.read_bytes(result.digest) == data and store.verify().ok
