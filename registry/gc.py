@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from flare.registry import refs
 from flare.registry.leases import drop_expired_leases, live_leases
 from flare.registry.registry import Registry
-from flare.store.blobs import BlobInfo, blob_key
+from flare.store.blobs import blob_key
 from flare.store.digest import Digest
 
 REREAD_ROOTS_S = 0.2
@@ -72,21 +72,26 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     report = GcReport(dry_run=dry_run)
     packages, build_start = roots(registry)
     marked = mark(registry, packages) | leased_blobs(registry)
-    candidates = [i for i in registry.store.iter_blobs() if i.digest not in marked]
+    candidates = [(d, e) for d, e in registry.store.iter_blob_names() if d not in marked]
     checked_at = time.monotonic()
-    for info in candidates:
+    for digest, encoding in candidates:
         if time.monotonic() - checked_at > REREAD_ROOTS_S:
             packages, build_start = _reread(registry, packages, marked)
             checked_at = time.monotonic()
-        if info.digest in marked:
+        if digest in marked:
             continue
-        if _recent(registry, info, started - grace_s, build_start):
+        key = blob_key(digest, encoding)
+        stat = registry.store.backend.stat(key)  # taken now, just before the decision
+        if stat is None:
+            continue  # another collector got there first
+        size, modified = stat
+        if modified >= started - grace_s or (build_start is not None and modified >= build_start):
             report.kept_recent += 1
             continue
-        report.deleted.append(str(info.digest))
-        report.freed_bytes += info.stored_size
+        report.deleted.append(str(digest))
+        report.freed_bytes += size
         if not dry_run:
-            registry.store.backend.remove(blob_key(info.digest, info.encoding))
+            registry.store.backend.remove(key)
     report.roots, report.marked = len(packages), len(marked)
     if not dry_run:
         report.forgotten = _forget_swept(registry, set(report.deleted))
@@ -100,14 +105,6 @@ def _reread(registry: Registry, packages: set[Digest], marked: set[Digest]) -> t
     fresh, build_start = roots(registry)
     marked.update(mark(registry, fresh - packages) | leased_blobs(registry))
     return packages | fresh, build_start  # type: ignore[return-value]
-
-
-def _recent(registry: Registry, info: BlobInfo, cutoff: float, build_start: float | None) -> bool:
-    """Touched within the grace period or since a live build began (stat taken now)."""
-    modified = registry.store.backend.modified(blob_key(info.digest, info.encoding))
-    if modified is None:
-        return True  # already gone: nothing to delete
-    return modified >= cutoff or (build_start is not None and modified >= build_start)
 
 
 def _forget_swept(registry: Registry, deleted: set[str]) -> list[str]:

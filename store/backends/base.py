@@ -89,8 +89,8 @@ class Backend(Protocol):
     def list_dir(self, prefix: str) -> list[str]:
         """The names directly under a folder (files and folders), sorted; [] if it is absent."""
 
-    def modified(self, key: str) -> float | None:
-        """When the file at key was last modified (seconds since the epoch), or None."""
+    def stat(self, key: str) -> tuple[int, float] | None:
+        """The file's size and modification time, or None when there is none."""
 
     def touch(self, key: str) -> None:
         """Set the file's modification time to now (marks a blob as in use for gc's grace)."""

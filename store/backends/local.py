@@ -284,11 +284,12 @@ class LocalBackend:
         except (FileNotFoundError, NotADirectoryError):
             return []
 
-    def modified(self, key: str) -> float | None:
+    def stat(self, key: str) -> tuple[int, float] | None:
         try:
-            return self._path(key).stat().st_mtime
+            st = os.stat(f"{self.root}/{key}")
         except FileNotFoundError:
             return None
+        return st.st_size, st.st_mtime
 
     def touch(self, key: str) -> None:
         """Best effort: another user's blob cannot be touched (leases protect it instead)."""

@@ -141,11 +141,12 @@ class FsspecBackend:
             return []
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
-    def modified(self, key: str) -> float | None:
+    def stat(self, key: str) -> tuple[int, float] | None:
         try:
-            return _modified(self.fs.info(self._path(key)))
+            info = self.fs.info(self._path(key))
         except FileNotFoundError:
             return None
+        return int(info["size"]), _modified(info) or 0.0
 
     def touch(self, key: str) -> None:
         """Object stores cannot change a modification time without rewriting the object."""
