@@ -393,6 +393,7 @@ class BlobStore:
         spool = BlobStore(self.location, Encoding.PLAIN)
         temp, _, total = spool._write_temp(stream, None, progress)
         try:
+            temp.file.flush()
             temp.file.close()
             with spool.backend.open_read(temp.key) as plain:
                 return self.put_stream(plain, size=total, expect=expect)
