@@ -27,7 +27,7 @@ from rich.table import Table
 
 from flare.build.check import CheckResult, check_build
 from flare.build.pipeline import Build, BuildRequest, BuildResult, PhaseReport
-from flare.config import load_config, parse_duration, parse_size
+from flare.config import SETTINGS, load_config, parse_duration, parse_size
 from flare.registry.copy import copy_package
 from flare.registry.database import UnusableIndexError
 from flare.registry.gc import collect
@@ -693,7 +693,12 @@ def config_show(as_json: JsonOption = False) -> None:
         )
         return
     out.print(f"config file: {config.file}{'' if config.file.exists() else ' (absent)'}")
-    print_table("", ("setting", "value", "source"), rows)
+    about = {s.key: (s.env, s.help) for s in SETTINGS}
+    print_table(
+        "",
+        ("setting", "value", "source", "variable", "meaning"),
+        [(*row, *about[row[0]]) for row in rows],
+    )
 
 
 def _show(value: Any) -> Any:

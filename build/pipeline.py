@@ -37,7 +37,6 @@ from flare.store.package import (
     encode_index,
 )
 
-PHASES = ("resolve", "load", "shard", "tune", "compile", "assemble", "publish")
 PAYLOAD_WORKERS = 2
 """Payloads written at once by default: one hashes while the other waits on the disk."""
 

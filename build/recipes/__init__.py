@@ -28,8 +28,3 @@ def recipe_for(config: Mapping[str, Any]) -> tuple[Recipe, str]:
     raise InvalidInputError(
         f"no recipe for architecture {architectures[0]}", f"supported: {supported}"
     )
-
-
-def find_recipe(name: str, version: int) -> Recipe | None:
-    """The recipe a package names, if this flare has that version of it."""
-    return next((r for r in RECIPES if r.name == name and r.version == version), None)
