@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from flare.registry import refs
 from flare.registry.leases import drop_expired_leases, live_leases
 from flare.registry.registry import Registry
-from flare.store.blobs import blob_key
 from flare.store.digest import Digest
 
 REREAD_ROOTS_S = 0.2
@@ -71,16 +70,15 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     started = time.time()
     report = GcReport(dry_run=dry_run)
     packages, build_start = roots(registry)
-    marked = mark(registry, packages) | leased_blobs(registry)
-    candidates = [(d, e) for d, e in registry.store.iter_blob_names() if d not in marked]
+    marked = {d.hex for d in mark(registry, packages) | leased_blobs(registry)}
+    candidates = [(h, key) for h, _, key in registry.store.iter_blob_names() if h not in marked]
     checked_at = time.monotonic()
-    for digest, encoding in candidates:
+    for hex_digest, key in candidates:
         if time.monotonic() - checked_at > REREAD_ROOTS_S:
             packages, build_start = _reread(registry, packages, marked)
             checked_at = time.monotonic()
-        if digest in marked:
+        if hex_digest in marked:
             continue
-        key = blob_key(digest, encoding)
         stat = registry.store.backend.stat(key)  # taken now, just before the decision
         if stat is None:
             continue  # another collector got there first
@@ -88,7 +86,7 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
         if modified >= started - grace_s or (build_start is not None and modified >= build_start):
             report.kept_recent += 1
             continue
-        report.deleted.append(str(digest))
+        report.deleted.append(f"blake3:{hex_digest}")
         report.freed_bytes += size
         if not dry_run:
             registry.store.backend.remove(key)
@@ -100,10 +98,10 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     return report
 
 
-def _reread(registry: Registry, packages: set[Digest], marked: set[Digest]) -> tuple[set, float]:
+def _reread(registry: Registry, packages: set[Digest], marked: set[str]) -> tuple[set, float]:
     """Roots added since the mark (a new tag, a new lease) protect their blobs too."""
     fresh, build_start = roots(registry)
-    marked.update(mark(registry, fresh - packages) | leased_blobs(registry))
+    marked.update(d.hex for d in mark(registry, fresh - packages) | leased_blobs(registry))
     return packages | fresh, build_start  # type: ignore[return-value]
 
 

@@ -48,6 +48,7 @@ from flare.store.hashing import (
 
 BLOB_DIR = "blobs/blake3"
 _HEX = frozenset("0123456789abcdef")
+_ZSTD_SUFFIX = Encoding.ZSTD.suffix
 QUARANTINE_DIR = "quarantine"
 COPY_CHUNK = 16 << 20
 LARGE_BLOB = 64 << 20
@@ -108,15 +109,21 @@ def blob_key(digest: Digest, encoding: Encoding) -> str:
 
 def parse_blob_key(key: str) -> tuple[Digest, Encoding] | None:
     """The digest and encoding a blob file name stands for, or None for a stray file."""
+    parsed = blob_name(key)
+    return None if parsed is None else (Digest.from_checked_hex(parsed[0]), parsed[1])
+
+
+def blob_name(key: str) -> tuple[str, Encoding] | None:
+    """The hex digest and encoding of a blob file name, as strings (gc compares 100,000s)."""
     parts = key.split("/")
-    if len(parts) != 4 or "/".join(parts[:2]) != BLOB_DIR:
+    if len(parts) != 4 or parts[0] != "blobs" or parts[1] != "blake3":
         return None
     name = parts[3]
-    encoding = Encoding.ZSTD if name.endswith(Encoding.ZSTD.suffix) else Encoding.PLAIN
-    hex_part = name.removesuffix(encoding.suffix)
-    if len(hex_part) != HEX_LENGTH or parts[2] != hex_part[:2] or not _HEX.issuperset(hex_part):
+    encoding = Encoding.ZSTD if name.endswith(_ZSTD_SUFFIX) else Encoding.PLAIN
+    hex_part = name[:HEX_LENGTH]
+    if len(name) != HEX_LENGTH + len(encoding.suffix) or parts[2] != hex_part[:2]:
         return None
-    return Digest.from_checked_hex(hex_part), encoding
+    return (hex_part, encoding) if _HEX.issuperset(hex_part) else None
 
 
 def copy_hashing(
@@ -235,12 +242,12 @@ class BlobStore:
     def has(self, digest: Digest) -> bool:
         return self.locate(digest) is not None
 
-    def iter_blob_names(self) -> Iterator[tuple[Digest, Encoding]]:
-        """Every stored blob's digest and encoding, listed without a stat per blob."""
+    def iter_blob_names(self) -> Iterator[tuple[str, Encoding, str]]:
+        """Every stored blob's hex digest, encoding and key, listed without a stat per blob."""
         for key in self.backend.iter_names(BLOB_DIR):
-            parsed = parse_blob_key(key)
+            parsed = blob_name(key)
             if parsed is not None:
-                yield parsed
+                yield parsed[0], parsed[1], key
 
     def iter_blobs(self, stray: list[str] | None = None) -> Iterator[BlobInfo]:
         """Every stored blob; files that are not blobs are appended to `stray` if given."""

@@ -61,7 +61,7 @@ from blake3 import blake3
 from flare.build.tiny import make_synthetic_llama
 from flare.registry import gc, refs
 from flare.registry.registry import Registry, default_database
-from flare.store.blobs import BLOB_DIR, blob_key, parse_blob_key
+from flare.store.blobs import BLOB_DIR, blob_key, blob_name
 from flare.store.digest import Digest
 from flare.store.encoding import Encoding
 from flare.store.hashing import hash_bytes, hash_file
@@ -632,15 +632,19 @@ def explain_gc(registry: Registry, blobs: Path, find_s: float) -> list[str]:
     packages, _start = gc.roots(registry)
     marked = gc.mark(registry, packages)
     names = list(store.iter_blob_names())
-    candidates = [blob_key(d, e) for d, e in names if d not in marked]
+    marked_hex = {d.hex for d in marked}
+    candidates = [key for h, _, key in names if h not in marked_hex]
     keys = list(store.backend.iter_names(BLOB_DIR))
     parts = time_stages(
         [
             ("roots(): refs, tags, pins, leases", lambda: gc.roots(registry)),
             ("mark(): read and decode the roots' manifests", lambda: gc.mark(registry, packages)),
             ("list names under blobs/ (no stat)", lambda: list(store.backend.iter_names(BLOB_DIR))),
-            ("parse_blob_key() per name", lambda: list(map(parse_blob_key, keys))),
-            ("candidates: digest not in marked, per blob", lambda: [d in marked for d, _ in names]),
+            ("blob_name() per name", lambda: list(map(blob_name, keys))),
+            (
+                "candidates: digest not in marked, per blob",
+                lambda: [h in marked_hex for h, _, _ in names],
+            ),
             (
                 "one stat per candidate (size, mtime)",
                 lambda: [store.backend.stat(k) for k in candidates],
