@@ -57,6 +57,7 @@ from typing import Any
 from unittest import mock
 
 from blake3 import blake3
+from common import timed
 
 from flare.build.tiny import make_synthetic_llama
 from flare.registry import gc, refs
@@ -161,13 +162,6 @@ class Section:
 def log(message: str) -> None:
     """Progress on stderr."""
     print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-def timed(action: Callable[[], object]) -> float:
-    """Seconds the action takes."""
-    start = time.perf_counter()
-    action()
-    return time.perf_counter() - start
 
 
 def git_state() -> str:

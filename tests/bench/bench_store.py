@@ -21,7 +21,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import blake3
+from common import log, remove, run, sync, timed
 
 from flare.store.blobs import BlobStore, PutResult
 from flare.store.hashing import hash_file, hash_files
@@ -117,31 +117,6 @@ class Report:
 # -- small helpers ------------------------------------------------------------------------
 
 
-def log(message: str) -> None:
-    """Progress, on stderr so that --json output stays clean."""
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-def run(*args: str | Path) -> str:
-    """Run a command, fail loudly with its stderr, return its stdout."""
-    done = subprocess.run([str(a) for a in args], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, args))} failed: {done.stderr.strip()}")
-    return done.stdout
-
-
-def sync() -> None:
-    """Flush every filesystem: nothing dirty is left for the next timed run to write."""
-    run("sync")
-
-
-def timed(action: Callable[[], object]) -> float:
-    """Seconds the action takes."""
-    start = time.perf_counter()
-    action()
-    return time.perf_counter() - start
-
-
 def gbps_stats(nbytes: int, seconds: list[float]) -> dict[str, float]:
     """Median, min and max throughput in GB/s (10^9 bytes per second)."""
     rates = [nbytes / s / 1e9 for s in seconds]
@@ -165,14 +140,6 @@ def settled_free_bytes(path: Path, timeout_s: float = 10.0) -> int:
             break
         last = now
     return last
-
-
-def remove(path: Path) -> None:
-    """Delete a file or folder if it exists."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
 
 
 def reset(*paths: Path) -> None:
