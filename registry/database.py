@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -60,6 +61,21 @@ def filesystem_type(path: Path) -> str:
     return kind
 
 
+def _set_journal_mode(cursor, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """Switch the journal mode if it differs, retrying while another connection switches it:
+    SQLite answers a concurrent switch with "locked" at once, without its busy handler."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            if cursor.execute("PRAGMA journal_mode").fetchone()[0].upper() != mode:
+                cursor.execute(f"PRAGMA journal_mode = {mode}")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 def alembic_config():  # type: ignore[no-untyped-def]
     """Alembic's configuration, pointing at flare's migrations folder."""
     from alembic.config import Config
@@ -97,7 +113,7 @@ class IndexDB:
         def _pragmas(connection, _record) -> None:  # type: ignore[no-untyped-def]
             cursor = connection.cursor()
             cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            cursor.execute(f"PRAGMA journal_mode = {journal}")
+            _set_journal_mode(cursor, journal)
             cursor.execute(
                 "PRAGMA synchronous = FULL" if network else "PRAGMA synchronous = NORMAL"
             )

@@ -218,3 +218,30 @@ def test_hosts_publishing_the_same_package_at_once(lab: dict[str, str], sources:
     assert len({json.loads(out)["digest"] for out, _ in results}) == 1
     rows = json.loads(flare(lab, "registry", "ls", "--json").stdout)
     assert [(r["name"], r["tags"]) for r in rows] == [("same", ["latest"])]
+
+
+OPEN_FRESH = """
+import sys, time
+from flare.registry.registry import Registry
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+registry = Registry(sys.argv[1], "sqlite:///" + sys.argv[1] + "/index.db")
+print(len(registry.listings()))
+"""
+
+
+@pytest.mark.parametrize("round_", range(4))
+def test_hosts_opening_a_new_sqlite_index_at_once(tmp_path: Path, round_: int) -> None:
+    """The first open switches a new DB to WAL; hosts doing so together must all succeed."""
+    at = str(time.time() + 2)  # all hosts open at the same instant, after their start-up
+    hosts = [
+        subprocess.Popen(
+            [sys.executable, "-c", OPEN_FRESH, str(tmp_path / "shared"), at],
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(6)
+    ]
+    results = [host.communicate(timeout=120) for host in hosts]
+    assert [host.returncode for host in hosts] == [0] * 6, [err for _, err in results]
+    assert [out for out, _ in results] == ["0\n"] * 6
