@@ -26,12 +26,25 @@ from rich.progress import (
 from rich.table import Table
 
 from flare.build.check import CheckResult, check_build
-from flare.build.pipeline import Build, BuildRequest, BuildResult, PhaseReport
-from flare.config import SETTINGS, load_config, parse_duration, parse_size
+from flare.build.pipeline import Build, BuildRequest, BuildResult, PhaseReport, Signer
+from flare.config import (
+    SETTINGS,
+    Config,
+    check_signing_unset,
+    load_config,
+    parse_duration,
+    parse_size,
+    record_signing_key,
+)
 from flare.registry.copy import copy_package
 from flare.registry.database import UnusableIndexError
 from flare.registry.gc import collect
 from flare.registry.registry import Registry, default_database
+from flare.sign import keys
+from flare.sign import policy as trust
+from flare.sign.envelope import sign_package
+from flare.sign.errors import UntrustedError
+from flare.sign.verify import Verdict, check_trusted
 from flare.store import BlobStore, Digest, VerifyReport
 from flare.store.digest import parse_prefix
 from flare.store.errors import (
@@ -42,6 +55,7 @@ from flare.store.errors import (
     from_os_error,
 )
 from flare.store.hashing import Progress as Advance
+from flare.store.package import Manifest
 
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -59,13 +73,27 @@ registry_app = typer.Typer(
     help="Packages in the registry: list, tag, pin, remove, collect garbage, verify, copy.",
     no_args_is_help=True,
 )
+key_app = typer.Typer(help="Publisher keys: make one, list them.", no_args_is_help=True)
+trust_app = typer.Typer(
+    help="The trust policy: publishers this host accepts, keys it refuses.", no_args_is_help=True
+)
 app.add_typer(registry_app, name="registry")
 app.add_typer(store_app, name="store")
 app.add_typer(config_app, name="config")
+app.add_typer(key_app, name="key")
+app.add_typer(trust_app, name="trust")
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 RegistryOption = Annotated[
     str | None, typer.Option("--registry", help="Registry location (default: the config's).")
+]
+AcceptOption = Annotated[
+    str | None,
+    typer.Option(
+        "--dangerously-accept-publisher",
+        metavar="NAME",
+        help="Also accept a valid signature by NAME's untrusted (never a revoked) key, this once.",
+    ),
 ]
 StoreOption = Annotated[
     str | None,
@@ -241,7 +269,7 @@ def build_command(
         hub_cache=config["paths.hub_cache"],
     )
     with progress.bar:
-        result = Build(request, target, progress).run()
+        result = Build(request, target, progress, sign=configured_signer(config)).run()
     _print_build(result, as_json)
 
 
@@ -315,11 +343,321 @@ def demo_command(as_json: JsonOption = False) -> None:
     progress = BuildProgress()
     registry = open_registry(create=True)
     with progress.bar:
-        result = Build(request, registry, progress).run()
+        result = Build(request, registry, progress, sign=demo_signer(config)).run()
     report = registry.verify(f"tiny-llama@{result.digest.hex}")
     if not report.ok:
         raise IntegrityError(f"the demo package failed verification: {report}")
     _print_build(result, as_json)
+
+
+# -- signing ----------------------------------------------------------------------------------
+
+DEMO_PUBLISHER = "flare-demo"
+
+
+def key_signer(key: keys.PrivateKey, publisher: str) -> Signer:
+    """The build's sign hook: sign the published package and store the signature beside it."""
+
+    def sign(registry: Registry, digest: Digest, manifest: Manifest) -> None:
+        registry.add_signature(digest, sign_package(key, publisher, digest, manifest))
+
+    return sign
+
+
+def configured_signer(config: Config) -> Signer | None:
+    """Sign builds with this host's signing key, when one is configured."""
+    path = config["signing.key"]
+    if path is None:
+        return None
+    key = keys.load_private_key(path)
+    policy = trust.load_policy(config)
+    return key_signer(key, trust.publisher_for(policy, key, config["signing.publisher"]))
+
+
+def demo_signer(config: Config) -> Signer:
+    """A development key under FLARE_HOME, made and trusted on first use (the user's own
+    signing key, if any, is neither used nor touched)."""
+    path = config.home / "demo" / "signing-key.pem"
+    if not path.exists():
+        keys.write_private_key(keys.generate_key(), path)
+        err.print(f"made a development signing key {path}", markup=False)
+    key = keys.load_private_key(path)
+    policy = trust.load_policy(config)
+    if policy.by_fingerprint(keys.fingerprint(key)) is None:
+        if policy.by_name(DEMO_PUBLISHER) is not None:  # an older dev key, from a wiped home
+            policy = trust.remove(policy, DEMO_PUBLISHER)
+        policy = trust.add_key(policy, DEMO_PUBLISHER, keys.public_pem(key))
+        trust.save_policy(policy, config["trust.file"])
+    return key_signer(key, DEMO_PUBLISHER)
+
+
+@key_app.command("generate")
+def key_generate(
+    publisher: Annotated[str, typer.Option(help="The publisher name this key signs as.")],
+    key_type: Annotated[
+        keys.KeyType, typer.Option("--type", help="Key algorithm.")
+    ] = keys.KeyType.ED25519,
+    out_file: Annotated[
+        Path | None,
+        typer.Option("--out", help="Where to write the private key (default: keys/NAME.pem)."),
+    ] = None,
+    no_default: Annotated[
+        bool,
+        typer.Option("--no-default", help="Do not make it this host's signing key nor trust it."),
+    ] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Make a signing key (mode 600); by default sign builds with it and trust it here."""
+    config = load_config()
+    path = (out_file or config.file.parent / "keys" / f"{publisher}.pem").absolute()
+    key = keys.generate_key(key_type)
+    pem = keys.public_pem(key)
+    policy = trust.load_policy(config)
+    if not no_default:
+        policy = trust.add_key(policy, publisher, pem)  # refused before anything is written
+        check_signing_unset(config.file)
+    keys.write_private_key(key, path)
+    if not no_default:
+        record_signing_key(config.file, path, publisher)
+        trust.save_policy(policy, config["trust.file"])
+    data = {
+        "publisher": publisher,
+        "type": key_type.value,
+        "private_key": str(path),
+        "fingerprint": keys.fingerprint(key),
+        "public_key": pem,
+        "default": not no_default,
+    }
+    if as_json:
+        print_json(data)
+        return
+    out.print(pem.rstrip(), markup=False)
+    out.print(f"fingerprint {data['fingerprint']}\nprivate key {path}", markup=False)
+    if not no_default:
+        out.print(f"builds on this host are now signed as {publisher}, and {publisher} is trusted")
+
+
+@key_app.command("ls")
+def key_ls(as_json: JsonOption = False) -> None:
+    """This host's signing keys: the configured one and those under the config's keys/."""
+    config = load_config()
+    default = config["signing.key"]
+    paths = sorted((config.file.parent / "keys").glob("*.pem"))
+    paths += [default] if default is not None and default not in paths else []
+    rows = [_key_row(path, path == default) for path in paths]
+    if as_json:
+        print_json(rows)
+        return
+    print_table(
+        "",
+        ("default", "type", "fingerprint", "path"),
+        [("yes" if r["default"] else "", r["type"], r["fingerprint"], r["path"]) for r in rows],
+    )
+
+
+def _key_row(path: Path, default: bool) -> dict[str, Any]:
+    key = keys.load_private_key(path)
+    return {
+        "path": str(path),
+        "type": keys.key_type_of(key).value,
+        "fingerprint": keys.fingerprint(key),
+        "default": default,
+    }
+
+
+@app.command("sign")
+def sign_command(
+    ref: str,
+    key_file: Annotated[
+        Path | None, typer.Option("--key", help="Private key (default: signing.key).")
+    ] = None,
+    publisher: Annotated[
+        str | None, typer.Option(help="Publisher name (default: signing.publisher).")
+    ] = None,
+    keyless: Annotated[
+        bool, typer.Option("--keyless", help="Sign through Sigstore with an OIDC identity.")
+    ] = False,
+    identity_token: Annotated[
+        str | None, typer.Option(help="OIDC token for --keyless (else SIGSTORE_ID_TOKEN).")
+    ] = None,
+    registry: RegistryOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Sign a package and store the signature beside it in the registry."""
+    config = load_config()
+    target = open_registry(registry)
+    name, digest, manifest = target.manifest(ref)
+    if keyless:
+        bundle = _keyless_bundle(target, digest, manifest, publisher)
+    else:
+        path = key_file or config["signing.key"]
+        if path is None:
+            raise NotFoundError(
+                "no signing key", "pass --key FILE, or run flare key generate --publisher NAME"
+            )
+        key = keys.load_private_key(path)
+        name_as = trust.publisher_for(
+            trust.load_policy(config), key, publisher or config["signing.publisher"]
+        )
+        bundle = sign_package(key, name_as, digest, manifest)
+    signed_as = target.add_signature(digest, bundle)
+    data = {"name": name, "digest": str(digest), "publisher": signed_as}
+    _done(as_json, data, f"signed {name or ''}@{digest} as {signed_as}")
+
+
+def _keyless_bundle(
+    registry: Registry, digest: Digest, manifest: Manifest, publisher: str | None
+) -> bytes:
+    from flare.sign.keyless import identity_token, sign_keyless  # sigstore: 0.5 s to import
+
+    if not publisher:
+        raise InvalidInputError("--keyless needs --publisher NAME", "name who signs")
+    token = identity_token(None)
+    return sign_keyless(registry.store.read_bytes(digest), digest, manifest, publisher, token)
+
+
+@app.command("verify")
+def verify_command(
+    ref: str,
+    accept: AcceptOption = None,
+    workers: Annotated[int | None, typer.Option(help="Blobs hashed at once.")] = None,
+    registry: RegistryOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Check a package's signature against the trust policy and re-hash its blobs.
+
+    Exit 11 if unsigned or untrusted, 6 if a blob is corrupt, 3 if one is missing.
+    """
+    target = open_registry(registry)
+    name, digest, manifest = target.manifest(ref)
+    policy = trust.load_policy(load_config())
+    report = target.verify(f"{name}@{digest.hex}" if name else digest.hex, workers)
+    verdict = _verdict(target, digest, manifest, policy, accept)
+    if as_json:
+        signature = asdict(verdict) if isinstance(verdict, Verdict) else {"refused": str(verdict)}
+        print_json({"name": name, "digest": str(digest), "signature": signature, "ok": report.ok})
+    else:
+        _print_verify(report)
+        if isinstance(verdict, Verdict):
+            out.print(f"signed by {verdict.publisher} ({verdict.signer})", markup=False)
+    _exit_for(report)
+    if isinstance(verdict, UntrustedError):
+        raise verdict
+
+
+def _verdict(
+    registry: Registry,
+    digest: Digest,
+    manifest: Manifest,
+    policy: trust.TrustPolicy,
+    accept: str | None,
+) -> Verdict | UntrustedError:
+    """The signature check's verdict, or its refusal (reported after the blobs' figures)."""
+    try:
+        verdict = check_trusted(registry.signatures(digest), digest, manifest, policy, accept)
+    except UntrustedError as exc:
+        return exc
+    if verdict.accepted_dangerously:
+        _warn_accepted(verdict)
+    return verdict
+
+
+def _warn_accepted(verdict: Verdict) -> None:
+    err.print(
+        f"warning: accepted publisher {verdict.publisher} ({verdict.signer}), which this host "
+        "does not trust, for this run only (--dangerously-accept-publisher)",
+        markup=False,
+    )
+
+
+# -- flare trust ------------------------------------------------------------------------------
+
+
+@trust_app.command("add")
+def trust_add(
+    name: Annotated[str, typer.Argument(help="The publisher's name.")],
+    key_file: Annotated[
+        Path | None, typer.Option("--key", help="The publisher's public key (PEM).")
+    ] = None,
+    identity: Annotated[
+        str | None, typer.Option(help="Keyless: the identity (email or URI) Sigstore certifies.")
+    ] = None,
+    issuer: Annotated[str | None, typer.Option(help="Keyless: the OIDC issuer URL.")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Trust a publisher: by public key, or for keyless Sigstore by identity and issuer."""
+    config = load_config()
+    policy = trust.load_policy(config)
+    if key_file is not None and identity is None:
+        policy = trust.add_key(policy, name, _read_text(key_file))
+    elif identity is not None and issuer is not None and key_file is None:
+        policy = trust.add_identity(policy, name, identity, issuer)
+    else:
+        raise InvalidInputError(
+            "flare trust add needs --key PUBFILE, or --identity ID and --issuer URL",
+            "see flare trust add --help",
+        )
+    trust.save_policy(policy, config["trust.file"])
+    added = policy.by_name(name)
+    assert added is not None
+    _done(as_json, _trust_row(added, policy), f"trusted {name} ({added.signer})")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except UnicodeDecodeError as exc:
+        raise InvalidInputError(f"{path} is not a PEM public key", "pass the .pub file") from exc
+
+
+@trust_app.command("ls")
+def trust_ls(as_json: JsonOption = False) -> None:
+    """Trusted publishers, and revoked keys."""
+    policy = trust.load_policy(load_config())
+    rows = [_trust_row(p, policy) for p in policy.publishers]
+    if as_json:
+        print_json({"publishers": rows, "revoked": sorted(policy.revoked)})
+        return
+    print_table(
+        f"trust policy {policy.file}",
+        ("publisher", "signer", "issuer", "revoked"),
+        [
+            (r["name"], r["signer"], r["issuer"] or "", "REVOKED" if r["revoked"] else "")
+            for r in rows
+        ],
+    )
+    for revoked in sorted(policy.revoked):
+        out.print(f"revoked: {revoked}", markup=False)
+
+
+def _trust_row(publisher: trust.TrustedPublisher, policy: trust.TrustPolicy) -> dict[str, Any]:
+    return {
+        "name": publisher.name,
+        "signer": publisher.signer,
+        "fingerprint": publisher.fingerprint,
+        "identity": publisher.identity,
+        "issuer": publisher.issuer,
+        "revoked": publisher.fingerprint in policy.revoked,
+    }
+
+
+@trust_app.command("rm")
+def trust_rm(name: str, as_json: JsonOption = False) -> None:
+    """Stop trusting a publisher (its key is not revoked: see flare trust revoke)."""
+    config = load_config()
+    trust.save_policy(trust.remove(trust.load_policy(config), name), config["trust.file"])
+    _done(as_json, {"removed": name}, f"no longer trusting {name}")
+
+
+@trust_app.command("revoke")
+def trust_revoke(
+    fingerprint: Annotated[str, typer.Argument(help="The key's fingerprint, SHA256:...")],
+    as_json: JsonOption = False,
+) -> None:
+    """Refuse a key from now on, even with --dangerously-accept-publisher."""
+    config = load_config()
+    trust.save_policy(trust.revoke(trust.load_policy(config), fingerprint), config["trust.file"])
+    _done(as_json, {"revoked": fingerprint}, f"revoked {fingerprint}")
 
 
 # -- flare store ------------------------------------------------------------------------------
@@ -439,14 +777,22 @@ def store_verify(
 def _report_verify(report: VerifyReport, as_json: bool) -> None:
     """Print a verify report; exit 6 if anything is corrupt, else 3 if anything is missing."""
     if as_json:
-        fields = {
-            **asdict(report),
-            "corrupt": [str(d) for d in report.corrupt],
-            "missing": [str(d) for d in report.missing],
-        }
-        print_json({**fields, "ok": report.ok})
+        print_json({**_report_fields(report), "ok": report.ok})
     else:
         _print_verify(report)
+    _exit_for(report)
+
+
+def _report_fields(report: VerifyReport) -> dict[str, Any]:
+    return {
+        **asdict(report),
+        "corrupt": [str(d) for d in report.corrupt],
+        "missing": [str(d) for d in report.missing],
+    }
+
+
+def _exit_for(report: VerifyReport) -> None:
+    """Exit 6 if anything is corrupt, else 3 if anything is missing."""
     if report.corrupt:
         raise typer.Exit(IntegrityError.exit_code)
     if report.missing:
@@ -638,11 +984,43 @@ def registry_gc(
 def registry_verify(
     ref: Annotated[str | None, typer.Argument(help="Package (default: every package).")] = None,
     workers: Annotated[int | None, typer.Option(help="Blobs hashed at once.")] = None,
+    signatures: Annotated[
+        bool,
+        typer.Option("--signatures", help="Also check each package's signature against trust."),
+    ] = False,
     registry: RegistryOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Re-hash packages' blobs in parallel. Exit 6 if corrupt, 3 if missing."""
-    _report_verify(open_registry(registry).verify(ref, workers), as_json)
+    """Re-hash packages' blobs in parallel. Exit 6 if corrupt, 3 if missing, then 11 if a
+    package is unsigned or untrusted (with --signatures)."""
+    target = open_registry(registry)
+    refused = _refused_packages(target, ref) if signatures else []
+    if not as_json:
+        for refusal in refused:
+            out.print(f"untrusted: {refusal}", markup=False)
+    report = target.verify(ref, workers)
+    if as_json:
+        ok = report.ok and not refused
+        print_json({**_report_fields(report), "untrusted": refused, "ok": ok})
+    else:
+        _print_verify(report)
+    _exit_for(report)
+    if refused:
+        raise typer.Exit(UntrustedError.exit_code)
+
+
+def _refused_packages(registry: Registry, ref: str | None) -> list[str]:
+    """One line per package whose signatures this host's trust policy refuses."""
+    policy = trust.load_policy(load_config())
+    refused = []
+    for digest in registry.packages(ref):
+        if not registry.store.has(digest):
+            continue  # reported missing by the blob check
+        manifest = registry.manifest(digest.hex)[2]
+        verdict = _verdict(registry, digest, manifest, policy, None)
+        if isinstance(verdict, UntrustedError):
+            refused.append(str(verdict))
+    return refused
 
 
 @registry_app.command("copy")

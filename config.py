@@ -4,6 +4,7 @@ an environment variable. With no config at all, everything lives under one local
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -12,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flare.store.backends.local import write_file_atomic
 from flare.store.encoding import Encoding, check_zstd_level
-from flare.store.errors import InvalidInputError, NotFoundError
+from flare.store.errors import FlareError, InvalidInputError, NotFoundError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -50,6 +52,10 @@ def _location(text: str | Path) -> str:
 
 def _path(text: str | Path) -> Path:
     return Path(text).expanduser().absolute()
+
+
+def _optional_path(text: str | Path) -> Path | None:
+    return Path(text).expanduser().absolute() if str(text) else None
 
 
 def _level(text: str | int) -> int:
@@ -138,6 +144,27 @@ SETTINGS: tuple[Setting, ...] = (
         _level,
         lambda _h, _e: 3,
         "zstd level for new blobs when encoding is zstd",
+    ),
+    Setting(
+        "signing.key",
+        "FLARE_SIGNING_KEY",
+        _optional_path,
+        lambda _h, _e: "",
+        "private key builds are signed with; empty: builds are unsigned",
+    ),
+    Setting(
+        "signing.publisher",
+        "FLARE_PUBLISHER",
+        str,
+        lambda _h, _e: "",
+        "publisher name signatures carry",
+    ),
+    Setting(
+        "trust.file",
+        "FLARE_TRUST_FILE",
+        _path,
+        lambda _h, e: config_file(e).parent / "trust.toml",
+        "trust policy: trusted publishers and revoked keys (flare trust)",
     ),
 )
 _BY_KEY = {s.key: s for s in SETTINGS}
@@ -237,7 +264,8 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
             values[setting.key] = _parse(setting, env[setting.env], f"env {setting.env}")
         elif setting.key in from_file:
             raw = from_file[setting.key]
-            if setting.parse in (_path, _location) and "://" not in str(raw):
+            relative = setting.parse in (_path, _location, _optional_path) and str(raw)
+            if relative and "://" not in str(raw):
                 raw = str(path.parent / Path(str(raw)).expanduser())
             values[setting.key] = _parse(setting, raw, f"file {path}")
         else:
@@ -246,3 +274,26 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
             )
             values[setting.key] = _parse(setting, setting.default(home, env), source)
     return Config(file=path, home=home, values=values)
+
+
+def record_signing_key(path: Path, key: Path, publisher: str) -> None:
+    """Make a key this host's signing key by adding a [signing] table to the config file.
+
+    The user's file is appended to, never rewritten, so their settings and comments stay as
+    they wrote them; a file that already has [signing] settings is left for them to edit.
+    """
+    check_signing_unset(path)
+    text = path.read_text() if path.exists() else ""
+    if text and not text.endswith("\n"):
+        text += "\n"
+    table = f"[signing]\nkey = {json.dumps(str(key))}\npublisher = {json.dumps(publisher)}\n"
+    write_file_atomic(path, (text + ("\n" if text else "") + table).encode())
+
+
+def check_signing_unset(path: Path) -> None:
+    """Refuse to add a [signing] table to a config file that already has one."""
+    if any(key.startswith("signing.") for key in read_file(path, required=False)):
+        raise FlareError(
+            f"{path} already has [signing] settings",
+            "edit signing.key and signing.publisher there, or pass --no-default",
+        )

@@ -1,5 +1,5 @@
-"""Copying a package between registries: its index, blobs and refs; linked on one filesystem,
-verified always, resumable (blobs already there are kept), in parallel."""
+"""Copying a package between registries: its index, blobs, signatures and refs; linked on one
+filesystem, verified always, resumable (blobs already there are kept), in parallel."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from flare.registry import refs
 from flare.registry.leases import hold_lease
 from flare.registry.registry import Registry
+from flare.registry.signatures import write_signature
 from flare.store.blobs import PutResult
 from flare.store.digest import Digest
 from flare.store.hashing import Progress, parallel_map
@@ -30,7 +31,8 @@ def copy_package(
     workers: int | None = None,
     progress: Progress | None = None,
 ) -> CopyReport:
-    """Copy REF's blobs (index last, so a partial copy never looks like a package), then refs."""
+    """Copy REF's blobs (index last, so a partial copy never looks like a package), then its
+    signatures (before the refs, so the destination lists the publisher), then refs."""
     name, digest, manifest = source.manifest(ref)
     report = CopyReport(name, digest)
     with hold_lease(dest.store, "copy", protect_new=True):
@@ -40,6 +42,8 @@ def copy_package(
         results.append(source.store.copy_to(dest.store, digest, progress))
         report.methods = _count(results)
         report.bytes = sum(r.size for r in results)
+        for bundle in source.signatures(digest):
+            write_signature(dest.store, digest, bundle)
         if name is not None:
             tags = [t for t, d in refs.tags_of(source.store, name).items() if d == digest]
             report.tags = tags

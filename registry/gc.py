@@ -6,7 +6,8 @@ reaches is deleted only if it was not touched within the grace period, nor since
 of a live build lease, checked again just before it goes; roots are read again every
 REREAD_ROOTS_S of the sweep. Deleting one blob file is atomic, so a collector killed at any
 point leaves a store whose every remaining blob is intact; the next one forgets the records of
-packages it had swept.
+packages it had swept. Signatures of a package go with its index: once the index is swept,
+its `signatures/<hex>/` files are removed too.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from flare.registry import refs
+from flare.registry import refs, signatures
 from flare.registry.leases import drop_expired_leases, live_leases
 from flare.registry.registry import Registry
 from flare.store.digest import Digest
@@ -35,6 +36,8 @@ class GcReport:
     forgotten: list[str] = field(default_factory=list)
     """NAME@DIGEST records dropped because their package was swept."""
     temp_files: list[str] = field(default_factory=list)
+    signatures: list[str] = field(default_factory=list)
+    """Signature files of swept packages, removed."""
 
 
 def roots(registry: Registry) -> tuple[set[Digest], float | None]:
@@ -93,6 +96,7 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     report.roots, report.marked = len(packages), len(marked)
     if not dry_run:
         report.forgotten = _forget_swept(registry, set(report.deleted))
+        report.signatures = signatures.drop_orphans(registry.store)
         report.temp_files = registry.store.sweep_temps()
         drop_expired_leases(registry.store)
     return report

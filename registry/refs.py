@@ -89,9 +89,10 @@ def read_record(store: BlobStore, name: str, digest: Digest) -> PackageRecord | 
 
 
 def tag_package(store: BlobStore, name: str, tag: str, digest: Digest) -> None:
-    """Point NAME:TAG at a package, recording the package under NAME first."""
+    """Point NAME:TAG at a package, recording the package under NAME first (if it is not)."""
     check_name(tag, "tag")
-    record_package(store, name, digest)
+    if read_record(store, name, digest) is None:
+        record_package(store, name, digest)
     store.backend.write_atomic(f"{REFS_DIR}/{name}/tags/{tag}", f"{digest}\n".encode())
 
 

@@ -1,20 +1,23 @@
 """The registry: a store (local folder, NAS mount or fsspec URL) plus an index DB.
 
-The store holds the truth (package indexes, ref files); every change is written there first,
-then to the index, which answers queries fast and can be rebuilt from the store at any time.
+The store holds the truth (package indexes, signatures, ref files); every change is written
+there first, then to the index, which answers queries fast and can be rebuilt from the store at
+any time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from flare.registry import refs
+from flare.registry import refs, signatures
 from flare.registry.database import IndexDB
 from flare.registry.models import Blob, Package, Publication, Tag
+from flare.sign.envelope import read_bundle
+from flare.sign.errors import UntrustedError
 from flare.store.blobs import BlobStore, VerifyReport
 from flare.store.digest import Digest
 from flare.store.encoding import Encoding
@@ -81,16 +84,12 @@ class Registry:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def publish(
-        self,
-        name: str,
-        tag: str | None,
-        digest: Digest,
-        manifest: Manifest,
-        publisher: str | None = None,
-    ) -> None:
-        """Record a stored package under NAME (and NAME:TAG): store first, then the index."""
-        record = refs.record_package(self.store, name, digest, publisher)
+    def publish(self, name: str, tag: str | None, digest: Digest, manifest: Manifest) -> None:
+        """Record a stored package under NAME (and NAME:TAG): store first, then the index.
+
+        The publisher recorded is the one its stored signatures name (none yet: unsigned).
+        """
+        record = refs.record_package(self.store, name, digest, self.publisher(digest))
         if tag is not None:
             refs.tag_package(self.store, name, tag, digest)
         index_size = self.store.require(digest).stored_size
@@ -128,6 +127,41 @@ class Registry:
                 pinned=pinned,
             )
         )
+
+    def add_signature(self, digest: Digest, bundle: bytes) -> str:
+        """Store a signature of a stored package and show its publisher on the package's names.
+
+        Refused if malformed or made for another package; whether it is trusted is for the
+        reader to decide (`flare verify`, pull). Returns the publisher the signature names.
+        """
+        signed = read_bundle(bundle, f"for {digest.short()}")
+        if signed.claim.package != str(digest):
+            raise UntrustedError(
+                f"the signature is for package {signed.claim.package}, not {digest}",
+                "sign this package: flare sign NAME@DIGEST",
+            )
+        self.store.require(digest)
+        signatures.write_signature(self.store, digest, bundle)
+        publisher = self.publisher(digest)
+        for name in refs.names(self.store):
+            if refs.read_record(self.store, name, digest) is not None:
+                refs.record_package(self.store, name, digest, publisher)
+                self.db.write(lambda s, n=name: self._set_publisher(s, n, digest, publisher))
+        return signed.claim.publisher
+
+    @staticmethod
+    def _set_publisher(session: Session, name: str, digest: Digest, publisher: str | None) -> None:
+        row = session.get(Publication, (name, str(digest)))
+        if row is not None:
+            row.publisher = publisher
+
+    def signatures(self, digest: Digest) -> list[bytes]:
+        """The package's stored signatures (bundle JSON bytes), unverified."""
+        return signatures.read_signatures(self.store, digest)
+
+    def publisher(self, digest: Digest) -> str | None:
+        """The publisher(s) the package's signatures name, comma-separated; None if unsigned."""
+        return signatures.claimed_publisher(self.signatures(digest))
 
     def tag(self, ref: str, name_tag: str) -> tuple[str, str, Digest]:
         """Point NAME:TAG at the package REF names."""
@@ -229,27 +263,30 @@ class Registry:
 
     def verify(self, ref: str | None = None, workers: int | None = None) -> VerifyReport:
         """Re-hash the index and blobs of one package (or every package) in parallel."""
-        digests = [self.resolve(ref)[1]] if ref else self._all_packages()
         wanted: set[Digest] = set()
-        for digest in digests:
+        for digest in self.packages(ref):
             wanted.add(digest)
             if self.store.has(digest):
                 wanted.update(refs.read_manifest(self.store, digest).blobs())
         return self.store.verify(sorted(wanted), workers=workers)
 
-    def _all_packages(self) -> list[Digest]:
+    def packages(self, ref: str | None = None) -> list[Digest]:
+        """The package REF names, or every package recorded under a name."""
+        if ref:
+            return [self.resolve(ref)[1]]
         return sorted({d for n in refs.names(self.store) for d in refs.packages_of(self.store, n)})
 
     # -- rebuilding the index ---------------------------------------------------------------
 
     def reindex(self) -> int:
-        """Rebuild the index DB from the store's ref files and package indexes."""
+        """Rebuild the index DB from the store's ref files, package indexes and signatures."""
         records = [
-            refs.read_record(self.store, n, d)
+            replace(record, publisher=self.publisher(record.digest))
             for n in refs.names(self.store)
             for d in refs.packages_of(self.store, n)
+            if (record := refs.read_record(self.store, n, d)) is not None
         ]
-        manifests = {r.digest: refs.read_manifest(self.store, r.digest) for r in records if r}
+        manifests = {r.digest: refs.read_manifest(self.store, r.digest) for r in records}
         sizes = {d: self.store.require(d).stored_size for d in manifests}
         tags = [
             (n, t, d)
@@ -261,11 +298,8 @@ class Registry:
             for table in (Tag, Publication, Blob, Package):
                 session.execute(delete(table))
             for record in records:
-                if record is not None:
-                    self._index_package(
-                        session, record, manifests[record.digest], sizes[record.digest]
-                    )
-                    session.flush()
+                self._index_package(session, record, manifests[record.digest], sizes[record.digest])
+                session.flush()
             session.add_all(Tag(name=n, tag=t, digest=str(d)) for n, t, d in tags)
             return len(records)
 

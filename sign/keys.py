@@ -1,0 +1,158 @@
+"""Publisher keys: Ed25519 (the default) or ECDSA P-256, kept as PEM files.
+
+A key is named by its fingerprint, `SHA256:` and the unpadded base64 of the SHA-256 of its
+DER SubjectPublicKeyInfo (the form OpenSSH prints), so the same key has the same name whatever
+PEM text, comment or file it came from.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+from enum import StrEnum
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+
+from flare.store.backends.local import fsync_dir, publish_no_clobber, temp_name
+from flare.store.errors import FlareError, InvalidInputError, NotFoundError, from_os_error
+
+PrivateKey = ed25519.Ed25519PrivateKey | ec.EllipticCurvePrivateKey
+PublicKey = ed25519.Ed25519PublicKey | ec.EllipticCurvePublicKey
+
+
+class KeyType(StrEnum):
+    ED25519 = "ed25519"
+    ECDSA_P256 = "ecdsa-p256"
+
+
+class UnknownKeyTypeError(InvalidInputError):
+    """A well-formed key of a type flare does not sign with (RSA, another curve, ...)."""
+
+
+def generate_key(key_type: KeyType = KeyType.ED25519) -> PrivateKey:
+    if key_type is KeyType.ECDSA_P256:
+        return ec.generate_private_key(ec.SECP256R1())
+    return ed25519.Ed25519PrivateKey.generate()
+
+
+def key_type_of(key: PrivateKey | PublicKey) -> KeyType:
+    """The type of a key flare accepts; anything else is refused by name."""
+    if isinstance(key, ed25519.Ed25519PrivateKey | ed25519.Ed25519PublicKey):
+        return KeyType.ED25519
+    if isinstance(key, ec.EllipticCurvePrivateKey | ec.EllipticCurvePublicKey):
+        if isinstance(key.curve, ec.SECP256R1):
+            return KeyType.ECDSA_P256
+        raise UnknownKeyTypeError(
+            f"unknown key type ECDSA {key.curve.name}", "use an ed25519 or ecdsa-p256 key"
+        )
+    raise UnknownKeyTypeError(
+        f"unknown key type {type(key).__name__.removeprefix('_')}",
+        "use an ed25519 or ecdsa-p256 key",
+    )
+
+
+def _public(key: PrivateKey | PublicKey) -> PublicKey:
+    if isinstance(key, ed25519.Ed25519PrivateKey | ec.EllipticCurvePrivateKey):
+        return key.public_key()
+    return key
+
+
+def public_pem(key: PrivateKey | PublicKey) -> str:
+    return (
+        _public(key)
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        .decode()
+    )
+
+
+def fingerprint(key: PrivateKey | PublicKey) -> str:
+    """`SHA256:<base64>` of the DER SubjectPublicKeyInfo."""
+    der = _public(key).public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return "SHA256:" + base64.b64encode(hashlib.sha256(der).digest()).decode().rstrip("=")
+
+
+def write_private_key(key: PrivateKey, path: Path) -> None:
+    """Write the key as unencrypted PKCS#8 PEM, mode 0600, atomically; never overwrite a key."""
+    if path.exists():
+        raise FlareError(
+            f"a key already exists at {path}", "pass --out with a new path, or remove it first"
+        )
+    data = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    partial = path.with_name(f".{path.name}.{temp_name()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if not publish_no_clobber(partial, path):
+            raise FlareError(f"a key already exists at {path}", "pass --out with a new path")
+        fsync_dir(path.parent)
+    except OSError as exc:
+        raise from_os_error(exc, "write the key", path) from exc
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def load_private_key(path: Path) -> PrivateKey:
+    """A signing key from a PEM file, refused clearly if it is missing, not a private key PEM,
+    or of a type flare does not sign with."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise NotFoundError(
+            f"no signing key at {path}", "run flare key generate --publisher NAME"
+        ) from None
+    except OSError as exc:
+        raise from_os_error(exc, "read the key", path) from exc
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except TypeError as exc:
+        raise InvalidInputError(f"{path} is encrypted", "use an unencrypted key") from exc
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise InvalidInputError(
+            f"{path} is not a PEM private key", "pass the private key flare key generate wrote"
+        ) from exc
+    key_type_of(key)  # type: ignore[arg-type]
+    return key  # type: ignore[return-value]
+
+
+def load_public_key(pem: str | bytes, where: str) -> PublicKey:
+    """A public key from PEM text (a private key's PEM is refused: it must not be shared)."""
+    data = pem.encode() if isinstance(pem, str) else pem
+    try:
+        key = serialization.load_pem_public_key(data)
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise InvalidInputError(
+            f"{where} is not a PEM public key", "pass the public key flare key generate printed"
+        ) from exc
+    key_type_of(key)  # type: ignore[arg-type]
+    return key  # type: ignore[return-value]
+
+
+def sign_bytes(key: PrivateKey, data: bytes) -> bytes:
+    if isinstance(key, ec.EllipticCurvePrivateKey):
+        return key.sign(data, ec.ECDSA(hashes.SHA256()))
+    return key.sign(data)
+
+
+def signature_valid(key: PublicKey, signature: bytes, data: bytes) -> bool:
+    try:
+        if isinstance(key, ec.EllipticCurvePublicKey):
+            key.verify(signature, data, ec.ECDSA(hashes.SHA256()))
+        else:
+            key.verify(signature, data)
+    except InvalidSignature:
+        return False
+    return True
