@@ -56,9 +56,8 @@ def key_type_of(key: PrivateKey | PublicKey) -> KeyType:
 
 
 def _public(key: PrivateKey | PublicKey) -> PublicKey:
-    if isinstance(key, ed25519.Ed25519PrivateKey | ec.EllipticCurvePrivateKey):
-        return key.public_key()
-    return key
+    """The public half (of any type: a refused key is still named by its fingerprint)."""
+    return key.public_key() if hasattr(key, "public_key") else key
 
 
 def public_pem(key: PrivateKey | PublicKey) -> str:
