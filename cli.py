@@ -488,7 +488,7 @@ def sign_command(
     target = open_registry(registry)
     name, digest, manifest = target.manifest(ref)
     if keyless:
-        bundle = _keyless_bundle(target, digest, manifest, publisher)
+        bundle = _keyless_bundle(target, digest, manifest, publisher, identity_token)
     else:
         path = key_file or config["signing.key"]
         if path is None:
@@ -506,14 +506,18 @@ def sign_command(
 
 
 def _keyless_bundle(
-    registry: Registry, digest: Digest, manifest: Manifest, publisher: str | None
+    registry: Registry,
+    digest: Digest,
+    manifest: Manifest,
+    publisher: str | None,
+    token: str | None,
 ) -> bytes:
     from flare.sign.keyless import identity_token, sign_keyless  # sigstore: 0.5 s to import
 
     if not publisher:
         raise InvalidInputError("--keyless needs --publisher NAME", "name who signs")
-    token = identity_token(None)
-    return sign_keyless(registry.store.read_bytes(digest), digest, manifest, publisher, token)
+    index = registry.store.read_bytes(digest)
+    return sign_keyless(index, digest, manifest, publisher, identity_token(token))
 
 
 @app.command("verify")
