@@ -1,0 +1,126 @@
+"""Attention over the paged KV cache, behind a small interface a faster kernel can replace.
+
+A step's batch is described by flat tensors (`AttentionMetadata`), as FlashInfer and
+FlashAttention's varlen kernels take it: queries of all sequences concatenated, each
+sequence's KV found through its block table. A backend is planned once per step and then
+called once per layer; the torch reference here gathers each sequence's keys and values from
+the cache and runs `scaled_dot_product_attention` on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a model needs of the KV cache: one K and one V tensor per layer of this shape."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """One step's batch as flat tensors on the model's device.
+
+    `query_start_loc[i]:query_start_loc[i+1]` are sequence i's new tokens (its last
+    `query_lens[i]` positions); `context_lens[i]` counts all its tokens including them;
+    `slot_mapping[t]` is where token t's KV goes (block * block_size + offset);
+    `block_tables[i]` lists sequence i's blocks, padded with -1.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    block_size: int
+    query_lens_cpu: list[int]
+    context_lens_cpu: list[int]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    """What model code calls; owns the KV cache."""
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Prepare for one step (index tensors, kernel plans); called before the forward."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k, v ([tokens, kv_heads, dim]) in the cache; attend q ([tokens, heads, dim])
+        over each sequence's cached context, causally; return [tokens, heads, dim]."""
+
+
+class TorchPagedAttention:
+    """The reference backend: plain torch on any device, one SDPA call per sequence."""
+
+    def __init__(
+        self, spec: AttentionSpec, num_slots: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        shape = (spec.num_layers, num_slots, spec.num_kv_heads, spec.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.scale = spec.scale
+        self._meta: AttentionMetadata | None = None
+        self._gathers: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Per sequence: its query range, the cache slots of its context, its causal mask."""
+        self._meta = meta
+        self._gathers = []
+        starts = meta.query_start_loc.tolist()
+        for i, (q_len, ctx) in enumerate(
+            zip(meta.query_lens_cpu, meta.context_lens_cpu, strict=True)
+        ):
+            slots = self._context_slots(meta, i, ctx)
+            mask = _causal_mask(q_len, ctx, slots.device) if q_len > 1 else None
+            self._gathers.append((starts[i], starts[i + 1], slots, mask))
+
+    @staticmethod
+    def _context_slots(meta: AttentionMetadata, i: int, ctx: int) -> torch.Tensor:
+        blocks = meta.block_tables[i, : -(-ctx // meta.block_size)]
+        offsets = torch.arange(meta.block_size, device=blocks.device)
+        return (blocks[:, None] * meta.block_size + offsets).flatten()[:ctx]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        assert self._meta is not None, "plan() must run before attend()"
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        k_cache[self._meta.slot_mapping] = k
+        v_cache[self._meta.slot_mapping] = v
+        out = torch.empty_like(q)
+        for start, end, slots, mask in self._gathers:
+            out[start:end] = self._one(q[start:end], k_cache[slots], v_cache[slots], mask)
+        return out
+
+    def _one(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """[q_len, heads, dim] over [ctx, kv_heads, dim], grouped-query, causal by `mask`."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1)
+
+
+def _causal_mask(q_len: int, ctx: int, device: torch.device) -> torch.Tensor:
+    """Query j sits at position ctx - q_len + j and sees keys up to and including it."""
+    rows = torch.arange(q_len, device=device)[:, None] + (ctx - q_len)
+    return torch.arange(ctx, device=device)[None, :] <= rows

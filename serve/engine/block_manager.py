@@ -1,0 +1,147 @@
+"""Paged KV cache bookkeeping: fixed-size blocks, reference counts, prefix reuse.
+
+A full block is named by a hash of its token ids chained with the previous block's hash, so
+equal prefixes name equal blocks. A block whose last user left goes to the back of the free
+queue but keeps its hash: a later request with the same prefix takes it back without
+recomputing it, until it is evicted by being handed out for other tokens (oldest first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from flare.serve.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+
+
+def chain_hash(previous: bytes | None, token_ids: list[int]) -> bytes:
+    """A block's name: its tokens and everything before them."""
+    h = hashlib.blake2b(previous or b"", digest_size=16)
+    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    return h.digest()
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences; reuses cached full blocks of equal prefixes."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.by_hash: dict[bytes, int] = {}
+        self.prefix_hit_tokens = 0
+        self.evictions = 0
+
+    # -- admission ------------------------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether the free queue covers every block the sequence does not share."""
+        cached = self._cached_prefix(seq)
+        shared = sum(1 for b in cached if self.blocks[b].ref_count > 0)
+        return seq.num_blocks(self.block_size) - shared <= len(self.free)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give the sequence its blocks: cached prefix blocks first, then fresh ones."""
+        cached = self._cached_prefix(seq)
+        for block_id in cached:
+            self._take(block_id)
+        seq.block_table = list(cached)
+        seq.num_cached_tokens = len(cached) * self.block_size
+        self.prefix_hit_tokens += seq.num_cached_tokens
+        previous = self.blocks[cached[-1]].hash if cached else None
+        for index in range(len(cached), seq.num_blocks(self.block_size)):
+            block = self._fresh()
+            seq.block_table.append(block.id)
+            previous = self._name_if_full(block, seq, index, previous)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks matching the sequence's leading full blocks, leaving at least its
+        last token to compute (the step needs that token's logits)."""
+        found: list[int] = []
+        previous = None
+        for index in range((len(seq) - 1) // self.block_size):
+            previous = chain_hash(previous, seq.block_tokens(index, self.block_size))
+            block_id = self.by_hash.get(previous)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    # -- decoding -------------------------------------------------------------------------
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the sequence's newest token has a slot (a new block if it starts one)."""
+        return not self._needs_block(seq) or len(self.free) > 0
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make room for the newest token's KV; name the last block once it is full."""
+        if self._needs_block(seq):
+            seq.block_table.append(self._fresh().id)
+        index = len(seq.block_table) - 1
+        previous = self.blocks[seq.block_table[index - 1]].hash if index > 0 else None
+        self._name_if_full(self.blocks[seq.block_table[index]], seq, index, previous)
+
+    def _needs_block(self, seq: Sequence) -> bool:
+        return len(seq.block_table) < seq.num_blocks(self.block_size)
+
+    # -- release --------------------------------------------------------------------------
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Drop the sequence's references; its tail blocks become the first to evict."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _take(self, block_id: int) -> None:
+        self.free.pop(block_id, None)
+        self.blocks[block_id].ref_count += 1
+
+    def _fresh(self) -> Block:
+        """The oldest free block, evicting its cached content."""
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self.by_hash.get(block.hash) == block_id:
+                del self.by_hash[block.hash]
+            block.hash = None
+            self.evictions += 1
+        block.ref_count = 1
+        return block
+
+    def _name_if_full(
+        self, block: Block, seq: Sequence, index: int, previous: bytes | None
+    ) -> bytes | None:
+        """Hash a full block so later requests can find it; return the hash (None if not full).
+
+        Called when the block's KV is written in the same step, so a named block is valid."""
+        tokens = seq.block_tokens(index, self.block_size)
+        if len(tokens) < self.block_size or (index > 0 and previous is None):
+            return None
+        block.hash = chain_hash(previous, tokens)
+        self.by_hash.setdefault(block.hash, block.id)
+        return block.hash
+
+    def stats(self) -> dict[str, int]:
+        used = len(self.blocks) - len(self.free)
+        return {
+            "block_size": self.block_size,
+            "blocks_total": len(self.blocks),
+            "blocks_used": used,
+            "blocks_cached": len(self.by_hash),
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "evictions": self.evictions,
+        }

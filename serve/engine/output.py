@@ -1,0 +1,146 @@
+"""What a request gives back: text deltas, cut at stop strings, streamed to its caller.
+
+Text is decoded incrementally over a short window of tokens and released only when it
+decodes cleanly, so a multi-byte character split over tokens is never emitted in halves.
+Text that could be the start of a stop string is held back until it is clearly not one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from flare.serve.engine.sequence import TokenLogprob
+
+REPLACEMENT = "\ufffd"
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one request: text, the tokens behind it, and why it ended (if it did):
+    "stop" (end-of-sequence token or stop string), "length", or "cancelled"."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+
+
+class TextStream:
+    """Incremental detokenizer with stop strings for one request."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.pending = ""
+        """Decoded text not yet emitted (it may begin a stop string)."""
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Add a token; return the text now safe to emit and whether a stop string was hit."""
+        self.pending += self._decode_new(token_id)
+        for stop in self.stop:
+            at = self.pending.find(stop)
+            if at >= 0:
+                return self._take(at), True
+        return self._take(len(self.pending) - self._held_back()), False
+
+    def flush(self) -> str:
+        """The text held back, when the request ends without a stop string."""
+        return self._take(len(self.pending))
+
+    def _decode_new(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset :])
+        if len(after) <= len(before) or after.endswith(REPLACEMENT):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return after[len(before) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _held_back(self) -> int:
+        """The longest tail of the pending text that begins some stop string."""
+        longest = 0
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, len(self.pending)), longest, -1):
+                if stop.startswith(self.pending[-n:]):
+                    longest = n
+                    break
+        return longest
+
+    def _take(self, n: int) -> str:
+        text, self.pending = self.pending[:n], self.pending[n:]
+        return text
+
+
+class RequestHandle:
+    """A submitted request: iterate it (blocking) or `async for` over `stream()`.
+
+    The engine thread pushes deltas; the last one has a finish_reason. An engine failure
+    is raised to the consumer. Use one of the two ways of reading, not both.
+    """
+
+    def __init__(self, request_id: int, cancel: Callable[[], None]) -> None:
+        self.request_id = request_id
+        self._cancel = cancel
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[Delta | BaseException] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async_queue: asyncio.Queue[Delta | BaseException] | None = None
+        self.finished = False
+
+    def cancel(self) -> None:
+        """Stop generating; the request's KV blocks are freed at the engine's next step."""
+        if not self.finished:
+            self._cancel()
+
+    def push(self, item: Delta | BaseException) -> None:
+        """Called by the engine thread."""
+        with self._lock:
+            if self._loop is None:
+                self._queue.put(item)
+                return
+            try:
+                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, item)  # type: ignore[union-attr]
+            except RuntimeError:  # the consumer's loop closed: nobody is listening any more
+                self._cancel()
+
+    def __iter__(self) -> Iterator[Delta]:
+        while not self.finished:
+            yield self._unwrap(self._queue.get())
+
+    async def stream(self) -> AsyncIterator[Delta]:
+        """Deltas without blocking the event loop; leaving early cancels the request."""
+        self._bind(asyncio.get_running_loop())
+        assert self._async_queue is not None
+        try:
+            while not self.finished:
+                yield self._unwrap(await self._async_queue.get())
+        finally:
+            if not self.finished:
+                self.cancel()
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Switch delivery to the loop, moving over what arrived before."""
+        with self._lock:
+            self._loop = loop
+            self._async_queue = asyncio.Queue()
+            while not self._queue.empty():
+                self._async_queue.put_nowait(self._queue.get())
+
+    def _unwrap(self, item: Delta | BaseException) -> Delta:
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise RuntimeError(f"request {self.request_id} failed: {item}") from item
+        self.finished = item.finish_reason is not None
+        return item

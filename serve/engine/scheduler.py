@@ -1,0 +1,90 @@
+"""Continuous batching: which sequences run in the next step.
+
+Each step either prefills newly admitted requests (as many as free blocks and the token
+budget allow) or decodes one token for every running one. When decoding runs out of blocks,
+the newest running sequence is preempted: its blocks are freed and it goes back to the front
+of the queue to be recomputed later (its full blocks usually survive in the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from flare.serve.engine.block_manager import BlockManager
+from flare.serve.engine.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    seqs: list[Sequence]
+    prefill: bool
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batched_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step's batch: prefill admitted requests if any, else decode the running."""
+        admitted = self._admit()
+        if admitted:
+            return ScheduledBatch(admitted, prefill=True)
+        decoding = self._decode_batch()
+        return ScheduledBatch(decoding, prefill=False) if decoding else None
+
+    def _admit(self) -> list[Sequence]:
+        admitted: list[Sequence] = []
+        tokens = 0
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            over_budget = tokens + len(seq) > self.max_batched_tokens
+            if (admitted and over_budget) or not self.blocks.can_allocate(seq):
+                break
+            self.blocks.allocate(seq)
+            tokens += len(seq) - seq.num_cached_tokens
+            seq.status = Status.RUNNING
+            self.running.append(self.waiting.popleft())
+            admitted.append(seq)
+        return admitted
+
+    def _decode_batch(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        while self.running:
+            seq = self.running.popleft()
+            while not self.blocks.can_append(seq) and self.running:
+                self._preempt(self.running.pop())
+            if not self.blocks.can_append(seq):
+                self._preempt(seq)
+                break
+            self.blocks.append_slot(seq)
+            scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks and queue it first, to recompute its tokens later."""
+        self.blocks.free_sequence(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or cancelled sequence wherever it is and free its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.blocks.free_sequence(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED

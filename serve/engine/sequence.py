@@ -1,0 +1,110 @@
+"""A request's state as the engine sees it: its tokens, sampling settings and KV blocks."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_LOGPROBS = 20
+"""The most top alternatives a request may ask for (the OpenAI API's limit)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens: temperature 0 is greedy; `seed` makes sampling reproducible."""
+
+    max_tokens: int | None = None
+    """None: up to the context length."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0: no top-k cut."""
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    """None: no logprobs; N: the chosen token's logprob plus the N most likely tokens."""
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence tokens (benchmarks, reference comparisons)."""
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    def _check(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log-probability and the `top` most likely tokens with theirs."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """One request: prompt and output tokens, the blocks holding their KV, its RNG."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, max_tokens: int) -> None:
+        self.id = next(_ids)
+        self.token_ids = list(prompt)
+        self.num_prompt_tokens = len(prompt)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        """Leading tokens whose KV was found in the prefix cache at admission."""
+        self.generator = _generator(params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    def append(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def block_tokens(self, index: int, block_size: int) -> list[int]:
+        """The token ids that block `index` of this sequence holds."""
+        return self.token_ids[index * block_size : (index + 1) * block_size]
+
+    def num_blocks(self, block_size: int) -> int:
+        return -(-len(self.token_ids) // block_size)
+
+
+def _generator(seed: int | None) -> torch.Generator | None:
+    """A CPU generator for seeded requests; unseeded ones draw from torch's global RNG."""
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed(seed)

@@ -1,0 +1,64 @@
+"""Model families, by recipe: the only place that maps a package's recipe to model code.
+
+Each family builds itself from the package's files (`create`) and loads its weights by
+Hugging Face tensor name (`load_weights`); `load_model` does both, on the meta device first
+so no memory is spent on initial values that the payloads overwrite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from flare.serve.models.bert import BertEmbedder, Pooling
+from flare.serve.models.files import PackageFiles
+from flare.serve.models.llama import LlamaForCausalLM
+from flare.store.errors import InvalidInputError
+
+
+def _llama(files: PackageFiles) -> nn.Module:
+    return LlamaForCausalLM(files.require_json("config.json"))
+
+
+def _bert(files: PackageFiles) -> nn.Module:
+    modules = files.json("modules.json") or []
+    pooling_path = next((m["path"] for m in modules if m.get("type", "").endswith("Pooling")), None)
+    pooling = files.json(f"{pooling_path}/config.json") if pooling_path else None
+    return BertEmbedder(files.require_json("config.json"), Pooling.from_files(modules, pooling))
+
+
+FAMILIES: dict[tuple[str, int], tuple[str, Callable[[PackageFiles], nn.Module]]] = {
+    ("llama", 1): ("generate", _llama),
+    ("bert", 1): ("embed", _bert),
+}
+"""(recipe name, recipe version) → (what the model does, how to build it)."""
+
+
+def model_kind(files: PackageFiles) -> str:
+    """ "generate" or "embed", or an error listing the recipes this runtime serves."""
+    return _family(files)[0]
+
+
+def load_model(files: PackageFiles, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The package's model on `device` in `dtype`, weights loaded, in eval mode."""
+    create = _family(files)[1]
+    with torch.device("meta"):
+        model = create(files)
+    model = model.to_empty(device=device).to(dtype)
+    model.load_weights(files.tensors())
+    return model.eval()
+
+
+def _family(files: PackageFiles) -> tuple[str, Callable[[PackageFiles], nn.Module]]:
+    recipe = files.manifest.recipe
+    family = FAMILIES.get((recipe.name, recipe.version))
+    if family is None:
+        supported = ", ".join(f"{name} v{version}" for name, version in FAMILIES)
+        raise InvalidInputError(
+            f"package {files.manifest.name} uses recipe {recipe.name} v{recipe.version}, "
+            "which this runtime cannot serve",
+            f"supported: {supported}",
+        )
+    return family

