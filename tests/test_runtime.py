@@ -18,6 +18,7 @@ from flare.registry.refs import read_manifest
 from flare.registry.registry import Registry
 from flare.serve.engine.attention import TorchPagedAttention
 from flare.serve.engine.block_manager import BlockManager
+from flare.serve.engine.output import REPLACEMENT, TextStream
 from flare.serve.engine.runner import ModelRunner
 from flare.serve.engine.sequence import Sequence
 from flare.serve.models import load_model
@@ -32,6 +33,13 @@ from flare.serve.runtime import (
 from flare.store.package import Manifest
 
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    "llama3-tied",
+)
 SENTENCE = "flare builds packages and the registry keeps blobs while servers verify"
 
 
@@ -68,10 +76,33 @@ def build_package(source: Path, tmp: Path, name: str) -> Package:
 def packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Package]:
     """A tiny checkpoint per family variant, saved by transformers, built into a package."""
     built = {}
-    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    for arch in ARCHITECTURES[:-1]:
         root = tmp_path_factory.mktemp(arch)
         built[arch] = build_package(make_llama(root / "checkpoint", arch), root, "tiny")
+    root = tmp_path_factory.mktemp("llama3")
+    built["llama3-tied"] = build_package(make_llama3_tied(root / "checkpoint"), root, "tiny")
     return built
+
+
+def make_llama3_tied(folder: Path) -> Path:
+    """Llama 3.1's RoPE scaling (with a short original context, so it bends the frequencies
+    the test's positions use) and tied input and output embeddings."""
+    import transformers
+
+    make_llama(folder)
+    config = transformers.LlamaConfig.from_pretrained(folder)
+    config.tie_word_embeddings = True
+    config.rope_parameters = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +142,7 @@ def prompt_ids(runtime: Runtime, text: str) -> list[int]:
 # -- numerics against the references ------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_prompt_logits_match_transformers(packages: dict[str, Package], arch: str) -> None:
     manifest, files, folder = packages[arch]
     model = load_model(PackageFiles(manifest, files), torch.device("cpu"), torch.float32)
@@ -271,6 +302,16 @@ def test_async_streaming(llama: GenerateRuntime) -> None:
         return [t async for d in llama.submit(prompt, greedy(10)).stream() for t in d.token_ids]
 
     assert asyncio.run(stream()) == generate(llama, prompt, max_tokens=10)
+
+
+def test_text_streams_whole_characters(llama: GenerateRuntime) -> None:
+    text = "naïve café: 日本語 ✓ done"
+    ids = llama.tokenizer.encode(text).ids
+    stream = TextStream(llama.tokenizer, [])
+    pieces = [stream.push(token)[0] for token in ids]
+    assert "".join(pieces) + stream.flush() == text
+    assert not any(REPLACEMENT in piece for piece in pieces)
+    assert len(ids) > len(text.encode()) // 2  # the tiny BPE splits these characters
 
 
 def test_invalid_requests_are_refused(llama: GenerateRuntime) -> None:

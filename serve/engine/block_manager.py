@@ -104,6 +104,12 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_tokens = 0
 
+    def forget_cached(self) -> None:
+        """Unname every block: after a failed step, named blocks may lack their KV."""
+        for block in self.blocks:
+            block.hash = None
+        self.by_hash.clear()
+
     # -- internals ------------------------------------------------------------------------
 
     def _take(self, block_id: int) -> None:

@@ -171,6 +171,7 @@ class Engine:
         self._draining = True
 
     def _fail_all(self, error: Exception) -> None:
+        self.scheduler.blocks.forget_cached()
         for request in list(self._requests.values()):
             self._retire(request)
             request.handle.push(error)
