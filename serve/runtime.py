@@ -123,6 +123,10 @@ class Runtime:
     def embed(self, texts: list[str]) -> list[list[float]]:
         raise InvalidInputError(f"model {self.model_name} generates text; it does not embed")
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (special tokens included), for logprob entries."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Tokens each text counts as (for usage), as the model would see them."""
         return [len(e.ids) for e in self.tokenizer.encode_batch(texts)]
@@ -168,6 +172,7 @@ class GenerateRuntime(Runtime):
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
         """Queue a request; raises ValueError for a prompt or budget this model cannot take."""
+        params.validate()
         self._check_prompt(prompt_token_ids)
         room = self.context_length - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens

@@ -322,10 +322,15 @@ def test_invalid_requests_are_refused(llama: GenerateRuntime) -> None:
         llama.submit([1] * 200, SamplingParams(max_tokens=100))
     with pytest.raises(ValueError, match="token ids"):
         llama.submit([10**6], SamplingParams())
+    changed = SamplingParams(top_k=-1)  # -1, like 0, turns top-k off
+    changed.temperature = -0.5
+    with pytest.raises(ValueError, match="temperature"):
+        llama.submit([1, 2], changed)
 
 
 def test_chat_template_and_package_settings(llama: GenerateRuntime) -> None:
     messages = [{"role": "user", "content": "hi"}]
     assert llama.render_chat(messages) == "<|user|>hi\n<|assistant|>"
     assert llama.tokenizer.token_to_id("<|endoftext|>") in llama.eos_token_ids
+    assert llama.token_text(llama.tokenizer.token_to_id("<|user|>")) == "<|user|>"
     assert llama.kind == "generate" and llama.context_length == 256

@@ -13,16 +13,18 @@ MAX_LOGPROBS = 20
 """The most top alternatives a request may ask for (the OpenAI API's limit)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
-    """How to pick tokens: temperature 0 is greedy; `seed` makes sampling reproducible."""
+    """How to pick tokens: temperature 0 is greedy; `seed` makes sampling reproducible.
+
+    Checked when made and again when submitted (fields may be set in between)."""
 
     max_tokens: int | None = None
     """None: up to the context length."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    """0: no top-k cut."""
+    """0 or -1: no top-k cut."""
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
@@ -31,17 +33,18 @@ class SamplingParams:
     """Keep generating past end-of-sequence tokens (benchmarks, reference comparisons)."""
 
     def __post_init__(self) -> None:
-        self._check()
+        self.validate()
 
-    def _check(self) -> None:
+    def validate(self) -> None:
+        """Raise ValueError naming the first setting out of range."""
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature}")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be >= 1, or 0 or -1 for no cut; got {self.top_k}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
