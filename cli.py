@@ -574,6 +574,180 @@ def _warn_accepted(verdict: Verdict) -> None:
     )
 
 
+# -- flare pull / flare serve ----------------------------------------------------------------
+
+DeviceOption = Annotated[
+    str | None, typer.Option("--device", help="cpu or cuda (default: CUDA where a GPU is).")
+]
+RevisionOption = Annotated[
+    str | None,
+    typer.Option("--revision", help="Refuse the package unless built from this model revision."),
+]
+
+
+def pull_into_cache(
+    ref: str, registry: str | None, device: str | None, revision: str | None, accept: str | None
+) -> Any:
+    """Admission (signature, compatibility, disk, memory), then the missing blobs, with a bar.
+
+    Returns the source registry, the host cache and the pull report."""
+    _require_serve_extra()
+    from flare.serve.cache import HostCache
+    from flare.serve.compat import choose_device, detect_toolchain
+    from flare.serve.models import served_recipes
+    from flare.serve.pull import PullRequest, fetch, plan_pull
+    from flare.serve.runtime import kv_cache_reservation
+
+    config = load_config()
+    source = open_registry(registry)
+    cache = HostCache(config["paths.package_cache"])
+    chosen = choose_device(device)
+    request = PullRequest(
+        ref=ref,
+        host=detect_toolchain(chosen, served_recipes()),
+        policy=trust.load_policy(config),
+        reserve=config["memory.reserve"] + kv_cache_reservation(chosen),
+        revision=revision,
+        accept_publisher=accept,
+    )
+    plan = plan_pull(source, cache, request)
+    if plan.verdict.accepted_dangerously:
+        _warn_accepted(plan.verdict)
+    with progress_bar("pull", sum(size for _, size in plan.admission.missing)) as advance:
+        report = fetch(source, cache, plan, progress=advance)
+    return source, cache, report
+
+
+def _require_serve_extra() -> None:
+    """Pull and serve run models: without the serve extra, say how to get it."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise FlareError(
+            f"flare pull and serve need {', '.join(missing)}, which are not installed",
+            "pip install 'flare[serve]'",
+        )
+
+
+@app.command("pull")
+def pull_command(
+    ref: Annotated[str, typer.Argument(help="NAME[:TAG][@DIGEST] in the registry.")],
+    registry: RegistryOption = None,
+    device: DeviceOption = None,
+    revision: RevisionOption = None,
+    accept: AcceptOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Pull a package into this host's cache: checked before any weight byte moves."""
+    _source, cache, report = pull_into_cache(ref, registry, device, revision, accept)
+    plan = report.plan
+    data = {
+        "name": plan.name,
+        "digest": str(plan.digest),
+        "publisher": plan.verdict.publisher,
+        "signer": plan.verdict.signer,
+        "cache": str(cache.root),
+        "blobs": report.methods,
+        "bytes": report.bytes,
+    }
+    methods = ", ".join(f"{n} {m}" for m, n in sorted(report.methods.items())) or "all present"
+    _done(
+        as_json,
+        data,
+        f"pulled {plan.name or ''}@{plan.digest} into {cache.root}: {methods}, "
+        f"{decimal(report.bytes)}; signed by {plan.verdict.publisher} ({plan.verdict.signer})",
+    )
+
+
+@app.command("serve")
+def serve_command(
+    ref: Annotated[str, typer.Argument(help="NAME[:TAG][@DIGEST] in the registry.")],
+    registry: RegistryOption = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8000,
+    device: DeviceOption = None,
+    revision: RevisionOption = None,
+    accept: AcceptOption = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="FLARE_API_KEY", help="Require `Authorization: Bearer KEY`."),
+    ] = None,
+    kv_cache_tokens: Annotated[
+        int | None, typer.Option(min=16, help="KV cache size in tokens (default: by memory).")
+    ] = None,
+) -> None:
+    """Pull, verify and check a package, then serve it behind an OpenAI-compatible API."""
+    from flare.registry.leases import hold_lease
+
+    source, cache, report = pull_into_cache(ref, registry, device, revision, accept)
+    plan = report.plan
+    with hold_lease(source.store, "serve", packages=[plan.digest]):
+        runtime, app_ = load_package_app(source, cache, plan, device, kv_cache_tokens, api_key)
+        from flare.serve.server import run_server
+
+        run_server(app_, runtime, host, port, _say_ready(plan))
+
+
+def load_package_app(
+    source: Registry,
+    cache: Any,
+    plan: Any,
+    device: str | None,
+    kv_cache_tokens: int | None,
+    api_key: str | None,
+) -> tuple[Any, Any]:
+    """Load the pulled package (printing what it cost) and make its API app."""
+    import time
+
+    from flare.serve.api import ServedPackage, create_app
+    from flare.serve.compat import choose_device
+    from flare.serve.runtime import load_runtime
+
+    started = time.perf_counter()
+    chosen = choose_device(device)
+    runtime = load_runtime(
+        plan.manifest,
+        cache.files(plan.manifest),
+        chosen,
+        kv_cache_tokens,
+        memory_reserve=load_config()["memory.reserve"],
+    )
+    weights = sum(p.size for p in plan.manifest.payloads)
+    kv = runtime.kv_stats()
+    kv_text = f"; KV cache {kv['blocks_total'] * kv['block_size']} tokens" if kv else ""
+    err.print(
+        f"loaded {plan.manifest.name} ({decimal(weights)} of weights) on {chosen} in "
+        f"{time.perf_counter() - started:.2f} s{kv_text}",
+        markup=False,
+    )
+    package = ServedPackage(
+        name=plan.manifest.name,
+        digest=str(plan.digest),
+        publisher=plan.verdict.publisher,
+        created=_created(source, plan),
+    )
+    return runtime, create_app(runtime, package, api_key)
+
+
+def _created(source: Registry, plan: Any) -> int:
+    """When the package was published under its name (0 if it has none)."""
+    from datetime import datetime
+
+    from flare.registry.refs import read_record
+
+    record = read_record(source.store, plan.name, plan.digest) if plan.name else None
+    return int(datetime.fromisoformat(record.created).timestamp()) if record else 0
+
+
+def _say_ready(plan: Any) -> Any:
+    def ready(url: str) -> None:
+        sys.stdout.write(f"serving {plan.manifest.name}@{plan.digest} at {url}\n")
+        sys.stdout.flush()
+
+    return ready
+
+
 # -- flare trust ------------------------------------------------------------------------------
 
 

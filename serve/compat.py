@@ -37,6 +37,21 @@ class HostToolchain:
     flashinfer: str | None = None
 
 
+def choose_device(asked: str | None) -> str:
+    """`--device`: cpu or cuda; by default CUDA where a GPU is, else the CPU."""
+    import torch
+
+    if asked is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if asked not in ("cpu", "cuda"):
+        raise IncompatibleError(f"unknown device {asked!r}", "use --device cpu or --device cuda")
+    if asked == "cuda" and not torch.cuda.is_available():
+        raise IncompatibleError(
+            "--device cuda, but this host has no usable CUDA device", "use --device cpu"
+        )
+    return asked
+
+
 def detect_toolchain(device: str, recipes: Mapping[str, int]) -> HostToolchain:
     """This host's toolchain for `device` ("cpu" or "cuda"), read from the libraries present."""
     import torch

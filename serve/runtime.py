@@ -61,9 +61,11 @@ def load_runtime(
     device: str = "cpu",
     kv_cache_tokens: int | None = None,
     dtype: torch.dtype | None = None,
+    memory_reserve: int = 0,
 ) -> Runtime:
     """Load the package's model on `device` (fp32 on CPU, bf16 elsewhere unless `dtype`);
-    `files` maps every blob's digest text to a local verified file."""
+    `files` maps every blob's digest text to a local verified file. A GPU's KV cache takes
+    a share of the memory left after the weights and `memory_reserve`."""
     if manifest.ranks != 1:
         raise InvalidInputError(
             f"package {manifest.name} is built for {manifest.ranks} ranks", "serve a 1-rank build"
@@ -75,7 +77,8 @@ def load_runtime(
     model = load_model(package, target, dtype)
     if kind == "embed":
         return EmbedRuntime(package, model)
-    return GenerateRuntime(package, model, target, dtype, kv_cache_tokens)
+    kv_tokens = kv_cache_tokens or _default_kv_tokens(model, target, dtype, memory_reserve)
+    return GenerateRuntime(package, model, target, dtype, kv_tokens)
 
 
 class Runtime:
@@ -149,10 +152,10 @@ class GenerateRuntime(Runtime):
         model: nn.Module,
         device: torch.device,
         dtype: torch.dtype,
-        kv_cache_tokens: int | None,
+        kv_cache_tokens: int,
     ) -> None:
         spec = model.attention_spec
-        tokens = kv_cache_tokens or _default_kv_tokens(spec.bytes_per_token(dtype), model, device)
+        tokens = kv_cache_tokens
         num_blocks = tokens // BLOCK_SIZE
         if num_blocks < 1:
             raise InvalidInputError(f"a KV cache of {tokens} tokens holds no {BLOCK_SIZE}-block")
@@ -239,15 +242,24 @@ class EmbedRuntime(Runtime):
         return dict(self._counters)
 
 
-def _default_kv_tokens(bytes_per_token: int, model: nn.Module, device: torch.device) -> int:
+def kv_cache_reservation(device: str) -> int:
+    """Memory the default KV cache takes on top of the weights, for admission before a pull
+    (on a GPU the cache fits itself into what is free, so nothing is added)."""
+    return CPU_KV_BYTES if device == "cpu" else 0
+
+
+def _default_kv_tokens(
+    model: nn.Module, device: torch.device, dtype: torch.dtype, reserve: int
+) -> int:
     """Tokens the KV cache holds by default: a memory budget, but no more than a full batch
     of full contexts."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * GPU_KV_FRACTION)
+        budget = int(max(0, free - reserve) * GPU_KV_FRACTION)
     else:
         budget = CPU_KV_BYTES
-    return min(budget // bytes_per_token, model.context_length * MAX_NUM_SEQS)
+    per_token = model.attention_spec.bytes_per_token(dtype)
+    return min(budget // per_token, model.context_length * MAX_NUM_SEQS)
 
 
 def _tokenizer(package: PackageFiles) -> Tokenizer:

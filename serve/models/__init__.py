@@ -62,3 +62,11 @@ def _family(files: PackageFiles) -> tuple[str, Callable[[PackageFiles], nn.Modul
             f"supported: {supported}",
         )
     return family
+
+
+def served_recipes() -> dict[str, int]:
+    """Recipe name → the newest version of it this runtime serves (for compatibility checks)."""
+    newest: dict[str, int] = {}
+    for name, version in FAMILIES:
+        newest[name] = max(version, newest.get(name, 0))
+    return newest

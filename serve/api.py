@@ -1,0 +1,367 @@
+"""The OpenAI-compatible HTTP API over one loaded package (fastapi).
+
+The routes translate; the runtime schedules. A request is validated whole (body, model name,
+sampling values, prompt and max_tokens against the context) before it reaches the engine, so
+bad input costs the running batch nothing. A client that goes away mid-stream cancels its
+request, which frees its KV pages at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import struct
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from flare.serve.metrics import render_metrics
+from flare.serve.runtime import Delta, RequestHandle, Runtime, SamplingParams
+from flare.serve.schemas import ChatRequest, CompletionRequest, EmbeddingRequest, Sampling
+from flare.store.errors import FlareError
+
+SAMPLING_RANGES = {
+    "temperature": [0.0, 2.0],
+    "top_p": [0.0, 1.0],
+    "top_k": [-1, None],
+    "max_tokens": [1, None],
+}
+"""What a request may ask for; the package's defaults are advertised beside them."""
+DEFAULT_COMPLETION_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ServedPackage:
+    """What the server says about the package it runs."""
+
+    name: str
+    digest: str
+    publisher: str | None
+    created: int
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: a status, a message, and what part of the request it concerns."""
+
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error", **extra: Any
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.extra = status, message, kind, extra
+
+    def response(self) -> JSONResponse:
+        body = {"message": self.message, "type": self.kind, "param": None, "code": None}
+        return JSONResponse({"error": body | self.extra}, status_code=self.status)
+
+
+def create_app(runtime: Runtime, package: ServedPackage, api_key: str | None = None) -> FastAPI:
+    """The app for one runtime: health, metrics, models, completions, chat, embeddings."""
+    app = FastAPI(title="flare", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ready = False
+    auth = [Depends(_bearer(api_key))]
+    _add_error_handlers(app)
+    routes = _Routes(runtime, package)
+    app.get("/health")(routes.health)
+    app.get("/metrics")(routes.metrics)
+    app.get("/v1/models", dependencies=auth)(routes.models)
+    app.post("/v1/completions", dependencies=auth)(routes.completions)
+    app.post("/v1/chat/completions", dependencies=auth)(routes.chat)
+    app.post("/v1/embeddings", dependencies=auth)(routes.embeddings)
+    return app
+
+
+def _bearer(api_key: str | None):  # type: ignore[no-untyped-def]
+    """A dependency that refuses requests without `Authorization: Bearer <api_key>`."""
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "missing or wrong API key", code="invalid_api_key")
+
+    return check
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return ApiError(400, _describe(exc)).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, str(exc.detail), kind).response()
+
+
+def _describe(exc: RequestValidationError) -> str:
+    """The first problem with a request body, as one line."""
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON"
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+
+
+class _Routes:
+    """Route handlers bound to one runtime and package."""
+
+    def __init__(self, runtime: Runtime, package: ServedPackage) -> None:
+        self.runtime = runtime
+        self.package = package
+
+    async def health(self, request: Request) -> JSONResponse:
+        ready = bool(request.app.state.ready)
+        return JSONResponse({"status": "ok" if ready else "starting"}, 200 if ready else 503)
+
+    async def metrics(self) -> PlainTextResponse:
+        text, content_type = render_metrics(self.runtime)
+        return PlainTextResponse(text, media_type=content_type)
+
+    async def models(self) -> dict[str, Any]:
+        entry = {
+            "id": self.package.name,
+            "object": "model",
+            "created": self.package.created,
+            "owned_by": self.package.publisher or "unsigned",
+            "digest": self.package.digest,
+            "context_length": self.runtime.context_length,
+            "sampling": {"defaults": self.runtime.sampling_defaults, "ranges": SAMPLING_RANGES},
+        }
+        return {"object": "list", "data": [entry]}
+
+    async def completions(self, body: CompletionRequest) -> Any:
+        self._check_model(body.model, "generate")
+        prompt = body.prompt_value()
+        ids = prompt if isinstance(prompt, list) else self.runtime.tokenizer.encode(prompt).ids
+        params = self._params(body, ids, body.max_tokens or DEFAULT_COMPLETION_TOKENS)
+        params.logprobs = body.logprobs
+        reply = _Reply("text_completion", self.package.name, self.runtime, len(ids))
+        return await self._answer(body, reply, self._submit(ids, params))
+
+    async def chat(self, body: ChatRequest) -> Any:
+        self._check_model(body.model, "generate")
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            text = self.runtime.render_chat(messages)
+        except (ValueError, FlareError) as exc:
+            raise ApiError(400, str(exc)) from exc
+        ids = self.runtime.tokenizer.encode(text, add_special_tokens=False).ids
+        params = self._params(body, ids, body.limit())
+        params.logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        reply = _Reply("chat.completion", self.package.name, self.runtime, len(ids))
+        return await self._answer(body, reply, self._submit(ids, params))
+
+    async def embeddings(self, body: EmbeddingRequest) -> dict[str, Any]:
+        self._check_model(body.model, "embed")
+        texts = body.texts()
+        counts = self.runtime.count_tokens(texts)
+        if max(counts) > self.runtime.context_length:
+            raise ApiError(
+                400, f"input is {max(counts)} tokens; the context is {self.runtime.context_length}"
+            )
+        vectors = self.runtime.embed(texts)
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
+            for i, v in enumerate(vectors)
+        ]
+        usage = {"prompt_tokens": sum(counts), "total_tokens": sum(counts)}
+        return {"object": "list", "model": self.package.name, "data": data, "usage": usage}
+
+    def _check_model(self, model: str, kind: str) -> None:
+        if model != self.package.name:
+            raise ApiError(
+                404,
+                f"model {model!r} is not served here; this server runs {self.package.name!r}",
+                code="model_not_found",
+            )
+        if self.runtime.kind != kind:
+            raise ApiError(
+                400, f"{model} is a {self.runtime.kind} model; this route needs a {kind} model"
+            )
+
+    def _params(self, body: Sampling, ids: list[int], max_tokens: int | None) -> SamplingParams:
+        """The request's sampling, falling back to the package's advertised defaults."""
+        context = self.runtime.context_length
+        if not ids:
+            raise ApiError(400, "the prompt is empty")
+        if len(ids) >= context:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; the context is {context}")
+        limit = max_tokens if max_tokens is not None else context - len(ids)
+        if len(ids) + limit > context:
+            raise ApiError(
+                400,
+                f"max_tokens {limit} + prompt {len(ids)} tokens exceed the context of "
+                f"{context}; ask for at most {context - len(ids)}",
+            )
+        defaults = self.runtime.sampling_defaults
+        return SamplingParams(
+            max_tokens=limit,
+            temperature=_pick(body.temperature, defaults.get("temperature"), 1.0),
+            top_p=_pick(body.top_p, defaults.get("top_p"), 1.0),
+            top_k=_pick(body.top_k, defaults.get("top_k"), -1),
+            seed=body.seed,
+            stop=body.stop_list(),
+            ignore_eos=body.ignore_eos,
+        )
+
+    def _submit(self, ids: list[int], params: SamplingParams) -> RequestHandle:
+        try:
+            return self.runtime.submit(ids, params)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from exc
+
+    async def _answer(self, body: Sampling, reply: _Reply, handle: RequestHandle) -> Any:
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(reply.stream(handle, usage), media_type="text/event-stream")
+        try:
+            async for delta in handle.stream():
+                reply.add(delta)
+        finally:
+            handle.cancel()
+        return reply.whole()
+
+
+def _pick(asked: Any, default: Any, fallback: Any) -> Any:
+    if asked is not None:
+        return asked
+    return default if default is not None else fallback
+
+
+def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+
+class _Reply:
+    """One response being assembled, whole or as server-sent events."""
+
+    def __init__(self, kind: str, model: str, runtime: Runtime, prompt_tokens: int) -> None:
+        self.kind, self.model, self.runtime = kind, model, runtime
+        self.id = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.text: list[str] = []
+        self.logprobs: list[dict[str, Any]] = []
+        self.finish_reason: str | None = None
+
+    @property
+    def chat(self) -> bool:
+        return self.kind == "chat.completion"
+
+    def add(self, delta: Delta) -> None:
+        self.completion_tokens += len(delta.token_ids)
+        self.text.append(delta.text)
+        self.logprobs += self._logprob_entries(delta)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+    def usage(self) -> dict[str, int]:
+        total = self.prompt_tokens + self.completion_tokens
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": total,
+        }
+
+    def whole(self) -> dict[str, Any]:
+        text = "".join(self.text)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = {"content": self.logprobs} if self.logprobs else None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = _legacy_logprobs(self.logprobs) if self.logprobs else None
+        return self._envelope(self.kind, [choice]) | {"usage": self.usage()}
+
+    async def stream(self, handle: RequestHandle, with_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events; cancelling this generator (a client gone) cancels the request."""
+        try:
+            if self.chat:
+                yield self._event(
+                    [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            async for delta in handle.stream():
+                self.completion_tokens += len(delta.token_ids)
+                yield self._event([self._chunk_choice(delta)])
+            if with_usage:
+                yield self._event([], usage=self.usage())
+            yield "data: [DONE]\n\n"
+        finally:
+            handle.cancel()
+
+    def _chunk_choice(self, delta: Delta) -> dict[str, Any]:
+        entries = self._logprob_entries(delta)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": delta.finish_reason}
+        if self.chat:
+            choice["delta"] = {"content": delta.text} if delta.text else {}
+            choice["logprobs"] = {"content": entries} if entries else None
+        else:
+            choice["text"] = delta.text
+            choice["logprobs"] = _legacy_logprobs(entries) if entries else None
+        return choice
+
+    def _event(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return f"data: {_json(self._envelope(kind, choices) | extra)}\n\n"
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _logprob_entries(self, delta: Delta) -> list[dict[str, Any]]:
+        """Chat-style entries: each chosen token, its logprob and the top alternatives."""
+        if delta.logprobs is None:
+            return []
+        decode = self.runtime.token_text
+        return [
+            {
+                "token": decode(item.token_id),
+                "logprob": item.logprob,
+                "bytes": list(decode(item.token_id).encode()),
+                "top_logprobs": [
+                    {"token": decode(t), "logprob": lp, "bytes": list(decode(t).encode())}
+                    for t, lp in item.top
+                ],
+            }
+            for item in delta.logprobs
+        ]
+
+
+def _legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The completions API's column layout of the same entries."""
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+    }
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

@@ -1,0 +1,61 @@
+"""The host cache: packages pulled to this host, as plain blobs on a local disk.
+
+Plain, so payloads can be memory-mapped where they lie; local, so a server never reads
+weights over the NAS. A package is in the cache once its index is: pull writes it last.
+Its signatures come along, so the cache alone says who published what it holds.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from flare.registry.signatures import read_signatures, write_signature
+from flare.store.blobs import BlobStore, blob_key
+from flare.store.digest import Digest
+from flare.store.encoding import Encoding
+from flare.store.errors import IntegrityError, NotFoundError
+from flare.store.package import Manifest, decode_index
+
+
+class HostCache:
+    """This host's package cache (paths.package_cache)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.store = BlobStore(str(self.root), Encoding.PLAIN)
+        self.store.backend.ensure()
+
+    def links_from(self, source: BlobStore) -> bool:
+        """Whether blobs from `source` arrive as links (no new space): one filesystem, plain."""
+        where = source.backend.local_path("")
+        if where is None or source.encoding is not Encoding.PLAIN:
+            return False
+        return os.stat(where).st_dev == os.stat(self.root).st_dev
+
+    def add(self, digest: Digest, index: bytes, signatures: list[bytes], name: str | None) -> None:
+        """Record a package whose blobs are all here: signatures first, the index last."""
+        for bundle in signatures:
+            write_signature(self.store, digest, bundle)
+        stored = self.store.put_bytes(index).digest
+        if stored != digest:
+            raise IntegrityError(f"the index of {name or digest.short()} changed while pulled")
+
+    def manifest(self, digest: Digest) -> Manifest:
+        """A pulled package's manifest, read and verified from the cache."""
+        if not self.store.has(digest):
+            raise NotFoundError(
+                f"package {digest.short()} is not in the host cache {self.root}", "pull it first"
+            )
+        return decode_index(self.store.read_bytes(digest), f"package {digest.short()}")
+
+    def signatures(self, digest: Digest) -> list[bytes]:
+        return read_signatures(self.store, digest)
+
+    def files(self, manifest: Manifest) -> dict[str, Path]:
+        """Every blob of the package as a local file, keyed by its digest text."""
+        paths = {}
+        for digest in manifest.blobs():
+            self.store.require(digest)
+            paths[str(digest)] = self.store.backend.local_path(blob_key(digest, Encoding.PLAIN))
+        return paths  # type: ignore[return-value]

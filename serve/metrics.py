@@ -1,0 +1,48 @@
+"""/metrics: the runtime's counters and KV-cache gauges in Prometheus' text format.
+
+A collector reads the runtime's figures at scrape time, so nothing is counted twice and the
+engine keeps no Prometheus objects of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from flare.serve.runtime import Runtime
+
+COUNTERS = {
+    "requests_finished",
+    "prompt_tokens",
+    "generated_tokens",
+    "preemptions",
+    "steps",
+    "busy_seconds",
+    "kv_prefix_hit_tokens",
+    "kv_evictions",
+}
+"""Figures that only grow; the others are levels (running, waiting, blocks used)."""
+
+
+class RuntimeCollector:
+    """Counters (monotonic totals) and gauges (levels) from one runtime."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def collect(self) -> Iterator[Metric]:
+        figures = dict(self.runtime.stats())
+        figures |= {f"kv_{key}": value for key, value in self.runtime.kv_stats().items()}
+        for key, value in sorted(figures.items()):
+            kind = CounterMetricFamily if key in COUNTERS else GaugeMetricFamily
+            yield kind(f"flare_{key}", key.replace("_", " "), value=value)
+
+
+def render_metrics(runtime: Runtime) -> tuple[str, str]:
+    """The exposition text and its content type."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RuntimeCollector(runtime))  # type: ignore[arg-type]
+    return generate_latest(registry).decode(), CONTENT_TYPE_LATEST

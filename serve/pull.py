@@ -1,0 +1,170 @@
+"""Pull: bring a package from a registry into this host's cache, admission first.
+
+Only the small things move before the decision: the index (verified against its digest) and
+its signatures. The signature is checked against the trust policy, the manifest against this
+host's toolchain, and the blobs it lacks against free disk and memory. Then the blobs are
+copied in parallel (linked on one filesystem, verified always), under a lease so gc leaves
+them alone, and the index is written last: a package in the cache is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flare.registry.leases import hold_lease
+from flare.registry.registry import Registry
+from flare.serve.cache import HostCache
+from flare.serve.compat import HostToolchain, check_compatible
+from flare.sign.policy import TrustPolicy
+from flare.sign.verify import Verdict, check_trusted
+from flare.store.blobs import PutResult
+from flare.store.digest import Digest
+from flare.store.errors import NoSpaceError
+from flare.store.hashing import Progress, parallel_map
+from flare.store.package import Manifest, decode_index
+from flare.store.safetensors import DTYPE_SIZES
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What the host must give the package: disk for the blobs it lacks, memory for weights."""
+
+    missing: list[tuple[Digest, int]]
+    disk_needed: int
+    disk_free: int
+    linked: bool
+    memory_needed: int
+    memory_free: int
+
+
+@dataclass
+class PullPlan:
+    """A package accepted for this host, before its blobs move."""
+
+    name: str | None
+    digest: Digest
+    manifest: Manifest
+    index: bytes
+    signatures: list[bytes]
+    verdict: Verdict
+    admission: Admission
+
+
+@dataclass
+class PullReport:
+    plan: PullPlan
+    methods: dict[str, int] = field(default_factory=dict)
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """What the operator asked for, and what this host offers."""
+
+    ref: str
+    host: HostToolchain
+    policy: TrustPolicy
+    reserve: int
+    """Memory to leave free beyond the weights: memory.reserve plus what the KV cache takes."""
+    revision: str | None = None
+    accept_publisher: str | None = None
+
+
+def plan_pull(registry: Registry, cache: HostCache, request: PullRequest) -> PullPlan:
+    """Fetch the index and signatures, check trust, compatibility and room; move no weights."""
+    name, digest = registry.resolve(request.ref)
+    index = registry.store.read_bytes(digest)  # verified against the digest
+    manifest = decode_index(index, f"package {digest.short()}")
+    signatures = registry.signatures(digest)
+    verdict = check_trusted(signatures, digest, manifest, request.policy, request.accept_publisher)
+    check_compatible(manifest, request.host, request.revision)
+    admission = admit(registry, cache, manifest, request)
+    return PullPlan(name, digest, manifest, index, signatures, verdict, admission)
+
+
+def admit(
+    registry: Registry, cache: HostCache, manifest: Manifest, request: PullRequest
+) -> Admission:
+    """Refuse, before any copy, a package the host has no disk or memory for."""
+    sizes = {Digest.parse(p.digest): p.size for p in manifest.payloads}
+    sizes |= {Digest.parse(a.digest): a.size for a in manifest.artifacts}
+    missing = [(d, size) for d, size in sorted(sizes.items()) if not cache.store.has(d)]
+    linked = cache.links_from(registry.store)
+    disk_needed = 0 if linked else sum(size for _, size in missing)
+    disk_free = shutil.disk_usage(cache.root).free
+    admission = Admission(
+        missing=missing,
+        disk_needed=disk_needed,
+        disk_free=disk_free,
+        linked=linked,
+        memory_needed=weight_bytes(manifest, request.host.device) + request.reserve,
+        memory_free=free_memory(request.host.device),
+    )
+    _check_room(manifest, cache, admission)
+    return admission
+
+
+def _check_room(manifest: Manifest, cache: HostCache, admission: Admission) -> None:
+    if admission.disk_needed > admission.disk_free:
+        raise NoSpaceError(
+            f"{manifest.name} stores {admission.disk_needed / GIB:.2f} GiB under {cache.root}, "
+            f"{admission.disk_free / GIB:.2f} GiB are free",
+            "free space there or point paths.package_cache elsewhere; nothing was copied",
+        )
+    if admission.memory_needed > admission.memory_free:
+        raise NoSpaceError(
+            f"{manifest.name} needs {admission.memory_needed / GIB:.2f} GiB of memory "
+            f"(weights, KV cache and memory.reserve), {admission.memory_free / GIB:.2f} GiB "
+            "are free",
+            "free memory, lower memory.reserve, or serve it on a larger host; nothing was copied",
+        )
+
+
+def weight_bytes(manifest: Manifest, device: str) -> int:
+    """The weights' size once loaded: CPU runs in float32, GPUs in the stored dtype."""
+    total = 0
+    for payload in manifest.payloads:
+        for tensor in payload.tensors:
+            count = 1
+            for dim in tensor.shape:
+                count *= dim
+            total += count * (4 if device == "cpu" else DTYPE_SIZES[tensor.dtype])
+    return total
+
+
+def free_memory(device: str) -> int:
+    """Memory the package may use: MemAvailable on CPU, the free bytes of GPU 0 on CUDA."""
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(0)[0])
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def fetch(
+    registry: Registry,
+    cache: HostCache,
+    plan: PullPlan,
+    workers: int | None = None,
+    progress: Progress | None = None,
+) -> PullReport:
+    """Copy the missing blobs (in parallel, verified), then the signatures and the index."""
+    report = PullReport(plan)
+
+    def copy(digest: Digest) -> PutResult:
+        return registry.store.copy_to(cache.store, digest, progress)
+
+    with hold_lease(registry.store, "pull", packages=[plan.digest]):
+        for result in parallel_map(copy, [d for d, _ in plan.admission.missing], workers):
+            report.methods[result.method] = report.methods.get(result.method, 0) + 1
+            report.bytes += result.size
+        cache.add(plan.digest, plan.index, plan.signatures, plan.name)
+    return report

@@ -1,0 +1,100 @@
+"""Run the API with uvicorn: say the URL once listening, drain on SIGINT/SIGTERM, exit 0.
+
+Readiness is the socket, not the import: /health answers 200 only after the runtime is
+loaded and the server listens, and 503 again once a shutdown has begun.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from flare.serve.runtime import Runtime
+
+DRAIN_TIMEOUT_S = 60
+"""How long in-flight requests may take to finish after a stop signal."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with readiness, a ready callback and a clean exit on a signal."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, on_ready: Callable[[str], None]):
+        super().__init__(config)
+        self.app = app
+        self.on_ready = on_ready
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.app.state.ready = True
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.on_ready(f"http://{_display(host)}:{port}/v1")
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.app.state.ready = False
+        await super().shutdown(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Begin a graceful shutdown; unlike uvicorn, do not re-raise the signal afterwards,
+        so a drained server exits 0."""
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+
+
+def _display(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=DRAIN_TIMEOUT_S,
+        lifespan="off",
+    )
+
+
+def run_server(
+    app: FastAPI, runtime: Runtime, host: str, port: int, on_ready: Callable[[str], None]
+) -> None:
+    """Serve until a stop signal, then finish in-flight requests and stop the engine."""
+    runtime.start()
+    try:
+        _Server(_config(app, host, port), app, on_ready).run()
+    finally:
+        runtime.stop(drain=True)
+
+
+@contextmanager
+def background_server(app: FastAPI, runtime: Runtime, host: str = "127.0.0.1") -> Iterator[str]:
+    """Serve on a free port from a thread for the length of the block (the demo's server);
+    yields the base URL once it listens, then drains and stops."""
+    ready = threading.Event()
+    urls: list[str] = []
+
+    def on_ready(url: str) -> None:
+        urls.append(url)
+        ready.set()
+
+    server = _Server(_config(app, host, 0), app, on_ready)
+    runtime.start()
+    thread = threading.Thread(target=server.run, name="flare-api", daemon=True)
+    thread.start()
+    try:
+        while not ready.wait(0.05):
+            if not thread.is_alive():
+                raise RuntimeError("the API server stopped before it listened")
+        yield urls[0]
+    finally:
+        server.should_exit = True
+        thread.join()
+        runtime.stop(drain=True)
