@@ -324,9 +324,13 @@ def _rate(nbytes: int, seconds: float) -> str:
 # -- flare demo -------------------------------------------------------------------------------
 
 
+DEMO_QUESTION = "what does the registry keep?"
+
+
 @app.command("demo")
 def demo_command(as_json: JsonOption = False) -> None:
-    """The main job on the embedded default: a tiny seeded model, built and published."""
+    """The main job on the embedded default: a tiny seeded model built, published, signed with
+    a development key, pulled, served, and asked one question over the HTTP API."""
     config = load_config()
     source = config.home / "demo" / "tiny-llama"
     if not (source / "model.safetensors").exists():
@@ -347,7 +351,48 @@ def demo_command(as_json: JsonOption = False) -> None:
     report = registry.verify(f"tiny-llama@{result.digest.hex}")
     if not report.ok:
         raise IntegrityError(f"the demo package failed verification: {report}")
-    _print_build(result, as_json)
+    if not as_json:
+        _print_build(result, as_json)
+    answer = ask_served(f"tiny-llama@{result.digest.hex}", DEMO_QUESTION)
+    if as_json:
+        phases = [asdict(p) for p in result.phases]
+        print_json({"name": result.name, "digest": str(result.digest), "phases": phases} | answer)
+        return
+    out.print(f"signed by {answer['publisher']}; served at {answer['url']}", markup=False)
+    out.print(f"asked:  {DEMO_QUESTION}", markup=False)
+    out.print(f"answer: {answer['answer']!r} (a tiny random model: words are not expected)")
+
+
+def ask_served(ref: str, question: str) -> dict[str, Any]:
+    """Pull REF, serve it on a free loopback port, ask one chat question, stop the server."""
+    import httpx
+
+    from flare.registry.leases import hold_lease
+    from flare.serve.server import background_server
+
+    source, cache, pulled = pull_into_cache(ref, None, None, None, None)
+    runtime, api = load_package_app(source, cache, pulled.plan, None, None, None)
+    body = {
+        "model": pulled.plan.manifest.name,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": 24,
+        "temperature": 0,
+    }
+    with (
+        hold_lease(source.store, "serve", packages=[pulled.plan.digest]),
+        background_server(api, runtime) as url,
+    ):
+        reply = httpx.post(f"{url}/chat/completions", json=body, timeout=120)
+    if reply.status_code != 200:
+        raise FlareError(f"the demo server answered {reply.status_code}: {reply.text}")
+    data = reply.json()
+    return {
+        "publisher": pulled.plan.verdict.publisher,
+        "url": url,
+        "question": question,
+        "answer": data["choices"][0]["message"]["content"],
+        "usage": data["usage"],
+    }
 
 
 # -- signing ----------------------------------------------------------------------------------
