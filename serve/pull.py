@@ -112,17 +112,21 @@ def admit(
 def _check_room(manifest: Manifest, cache: HostCache, admission: Admission) -> None:
     if admission.disk_needed > admission.disk_free:
         raise NoSpaceError(
-            f"{manifest.name} stores {admission.disk_needed / GIB:.2f} GiB under {cache.root}, "
-            f"{admission.disk_free / GIB:.2f} GiB are free",
+            f"{manifest.name} stores {_size(admission.disk_needed)} under {cache.root}, "
+            f"{_size(admission.disk_free)} are free",
             "free space there or point paths.package_cache elsewhere; nothing was copied",
         )
     if admission.memory_needed > admission.memory_free:
         raise NoSpaceError(
-            f"{manifest.name} needs {admission.memory_needed / GIB:.2f} GiB of memory "
-            f"(weights, KV cache and memory.reserve), {admission.memory_free / GIB:.2f} GiB "
-            "are free",
+            f"{manifest.name} needs {_size(admission.memory_needed)} of memory "
+            f"(weights, KV cache and memory.reserve), {_size(admission.memory_free)} are free",
             "free memory, lower memory.reserve, or serve it on a larger host; nothing was copied",
         )
+
+
+def _size(nbytes: int) -> str:
+    """GiB for what a user plans hosts by, MiB below one GiB."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def weight_bytes(manifest: Manifest, device: str) -> int:

@@ -1,0 +1,178 @@
+"""`flare pull`: the index and signatures first, then trust, compatibility, disk and memory,
+and only then the blobs, linked, resumable, protected from gc while served."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import mount_tmpfs
+
+from flare.build.tiny import make_synthetic_llama, make_tiny_llama
+from flare.store.package import MANIFEST_KEY, canonical_json
+from flare.store.safetensors import encode_header
+
+UNTRUSTED, NO_ROOM, UNREADABLE, INCOMPATIBLE = 11, 8, 6, 12
+
+
+class Host:
+    """One host's environment: its own FLARE_HOME, config and package cache."""
+
+    def __init__(self, root: Path, **extra: str) -> None:
+        self.root = root
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+        self.env = env | {"FLARE_HOME": str(root), "XDG_CONFIG_HOME": str(root / "xdg")} | extra
+
+    def run(self, *args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "flare", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == code, (args, done.stdout, done.stderr)
+        if code:
+            assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+        return done
+
+    def cached_blobs(self, cache: Path | None = None) -> list[Path]:
+        folder = (cache or self.root / "packages") / "blobs"
+        return [p for p in folder.rglob("*") if p.is_file()] if folder.exists() else []
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("checkpoints")
+    make_tiny_llama(root / "tiny")
+    make_synthetic_llama(root / "big", 8 << 20)
+    return root
+
+
+@pytest.fixture
+def host(tmp_path: Path, checkpoints: Path) -> Host:
+    """A host with alice's key, and tiny built and signed by her."""
+    lab = Host(tmp_path / "home")
+    lab.run("key", "generate", "--publisher", "alice")
+    lab.run("build", str(checkpoints / "tiny"), "--name", "tiny")
+    return lab
+
+
+def pulled(host: Host, *args: str) -> dict:
+    return json.loads(host.run("pull", *args, "--device", "cpu", "--json").stdout)
+
+
+def test_pull_links_on_one_filesystem_and_resumes(host: Host) -> None:
+    first = pulled(host, "tiny")
+    assert first["publisher"] == "alice" and first["signer"].startswith("SHA256:")
+    assert set(first["blobs"]) == {"hardlink"} and first["blobs"]["hardlink"] >= 3
+    assert pulled(host, "tiny")["blobs"] == {}  # everything is there: nothing moves
+    payload = max(host.cached_blobs(), key=lambda p: p.stat().st_size)
+    payload.unlink()  # as if the pull had died before this blob
+    assert pulled(host, "tiny")["blobs"] == {"hardlink": 1}
+
+
+def test_an_unsigned_package_is_refused_and_nothing_is_copied(
+    tmp_path: Path, checkpoints: Path
+) -> None:
+    lab = Host(tmp_path / "unsigned")
+    lab.run("build", str(checkpoints / "tiny"), "--name", "tiny")
+    refused = lab.run("pull", "tiny", "--device", "cpu", code=UNTRUSTED)
+    assert "unsigned" in refused.stderr
+    assert lab.cached_blobs() == []
+
+
+def test_an_untrusted_publisher_is_refused_unless_accepted_for_this_run(host: Host) -> None:
+    host.run("trust", "rm", "alice")
+    refused = host.run("pull", "tiny", "--device", "cpu", code=UNTRUSTED)
+    assert "alice" in refused.stderr and "SHA256:" in refused.stderr
+    assert host.cached_blobs() == []
+    accepted = host.run(
+        "pull", "tiny", "--device", "cpu", "--dangerously-accept-publisher", "alice"
+    )
+    assert "warning: accepted publisher alice" in accepted.stderr
+    refused = host.run(
+        "pull",
+        "tiny",
+        "--device",
+        "cpu",
+        "--dangerously-accept-publisher",
+        "bob",
+        code=UNTRUSTED,
+    )
+
+
+def test_no_room_on_disk_is_refused_before_any_copy(
+    host: Host, checkpoints: Path, tmp_path: Path
+) -> None:
+    host.run("build", str(checkpoints / "big"), "--name", "big")
+    small = tmp_path / "small-cache"
+    mount_tmpfs(small, "4m")
+    try:
+        on_small = Host(host.root, FLARE_PACKAGE_CACHE=str(small))
+        refused = on_small.run("pull", "big", "--device", "cpu", code=NO_ROOM)
+        stored = json.loads(on_small.run("registry", "show", "big", "--json").stdout)
+        size = sum(
+            p["size"] for p in stored["manifest"]["payloads"] + stored["manifest"]["artifacts"]
+        )
+        assert f"stores {size / 2**20:.1f} MiB under {small}, " in refused.stderr
+        assert re.search(r", \d\.\d MiB are free; free space there", refused.stderr)
+        assert on_small.cached_blobs(small) == []
+        on_small.run("pull", "tiny", "--device", "cpu")  # a package that fits still does
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_no_memory_for_the_weights_is_refused_before_any_copy(host: Host) -> None:
+    starved = Host(host.root, FLARE_MEMORY_RESERVE="100T")
+    refused = starved.run("pull", "tiny", "--device", "cpu", code=NO_ROOM)
+    assert "of memory (weights, KV cache and memory.reserve)" in refused.stderr
+    assert starved.cached_blobs() == []
+
+
+def test_a_revision_mismatch_is_refused_before_any_copy(host: Host) -> None:
+    refused = host.run(
+        "pull", "tiny", "--device", "cpu", "--revision", "abcdef1", code=INCOMPATIBLE
+    )
+    assert "not revision abcdef1" in refused.stderr
+    assert host.cached_blobs() == []
+
+
+def test_a_newer_package_format_asks_for_a_newer_flare(host: Host) -> None:
+    index = encode_header([], {MANIFEST_KEY: canonical_json({"format": 2, "name": "future"})})
+    put = host.run("store", "put", "--json", str(_write(host.root / "future.index", index)))
+    digest = json.loads(put.stdout)[0]["digest"]
+    refused = host.run("pull", digest, "--device", "cpu", code=UNREADABLE)
+    assert "package format 2; this flare reads format 1" in refused.stderr
+    assert "upgrade flare" in refused.stderr
+
+
+def test_gc_leaves_a_served_package_alone_until_the_server_stops(host: Host) -> None:
+    server = subprocess.Popen(
+        [sys.executable, "-m", "flare", "serve", "tiny", "--port", "0", "--device", "cpu"],
+        env=host.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "http://" in (server.stdout.readline() if server.stdout else "")
+        digest = json.loads(host.run("registry", "show", "tiny", "--json").stdout)["digest"]
+        host.run("registry", "rm", "tiny")
+        host.run("registry", "gc", "--grace", "0")
+        host.run("registry", "verify", digest)  # every blob still there while it is served
+    finally:
+        server.terminate()
+        assert server.wait(timeout=60) == 0
+    swept = json.loads(host.run("registry", "gc", "--grace", "0", "--json").stdout)
+    assert len(swept["deleted"]) >= 4, swept
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
