@@ -176,3 +176,24 @@ def test_gc_leaves_a_served_package_alone_until_the_server_stops(host: Host) -> 
 def _write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
+
+
+def test_a_revoked_key_is_refused_even_when_accepted_by_name(host: Host) -> None:
+    fingerprint = pulled(host, "tiny")["signer"]
+    host.run("trust", "revoke", fingerprint)
+    for extra in ((), ("--dangerously-accept-publisher", "alice")):
+        refused = host.run("pull", "tiny", "--device", "cpu", *extra, code=UNTRUSTED)
+        assert "revoked" in refused.stderr and fingerprint in refused.stderr
+
+
+def test_a_flipped_byte_in_the_registry_index_is_refused_before_any_copy(host: Host) -> None:
+    digest = json.loads(host.run("registry", "show", "tiny", "--json").stdout)["digest"]
+    hex_digest = digest.removeprefix("blake3:")
+    index = host.root / "registry" / "blobs" / "blake3" / hex_digest[:2] / hex_digest
+    index.chmod(0o644)
+    data = bytearray(index.read_bytes())
+    data[-3] ^= 0x01
+    index.write_bytes(bytes(data))
+    refused = host.run("pull", "tiny", "--device", "cpu", code=6)
+    assert f"blob {digest} in" in refused.stderr and "is corrupt" in refused.stderr
+    assert host.cached_blobs() == []
