@@ -677,7 +677,7 @@ def _require_serve_extra() -> None:
 
 @app.command("pull")
 def pull_command(
-    ref: Annotated[str, typer.Argument(help="NAME[:TAG][@DIGEST] in the registry.")],
+    ref: Annotated[str, typer.Argument(help="The package: NAME, NAME:TAG or NAME@DIGEST.")],
     registry: RegistryOption = None,
     device: DeviceOption = None,
     revision: RevisionOption = None,
@@ -707,7 +707,7 @@ def pull_command(
 
 @app.command("serve")
 def serve_command(
-    ref: Annotated[str, typer.Argument(help="NAME[:TAG][@DIGEST] in the registry.")],
+    ref: Annotated[str, typer.Argument(help="The package: NAME, NAME:TAG or NAME@DIGEST.")],
     registry: RegistryOption = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8000,
@@ -723,15 +723,16 @@ def serve_command(
     ] = None,
 ) -> None:
     """Pull, verify and check a package, then serve it behind an OpenAI-compatible API."""
+    _require_serve_extra()
     from flare.registry.leases import hold_lease
+    from flare.serve.server import listen, run_server
 
+    sock = listen(host, port)
     source, cache, report = pull_into_cache(ref, registry, device, revision, accept)
     plan = report.plan
     with hold_lease(source.store, "serve", packages=[plan.digest]):
         runtime, app_ = load_package_app(source, cache, plan, device, kv_cache_tokens, api_key)
-        from flare.serve.server import run_server
-
-        run_server(app_, runtime, host, port, _say_ready(plan))
+        run_server(app_, runtime, sock, _say_ready(plan))
 
 
 def load_package_app(

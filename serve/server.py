@@ -16,6 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from flare.serve.runtime import Runtime
+from flare.store.errors import FlareError
 
 DRAIN_TIMEOUT_S = 60
 """How long in-flight requests may take to finish after a stop signal."""
@@ -52,11 +53,26 @@ def _display(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
+def listen(host: str, port: int) -> socket.socket:
+    """Bind the server's socket up front, so a taken port fails at once with flare's error
+    (before a model is loaded) rather than in uvicorn's log."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise FlareError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+            "pick another --port or --host, or stop what holds it",
+        ) from exc
+    return sock
+
+
+def _config(app: FastAPI) -> uvicorn.Config:
     return uvicorn.Config(
         app,
-        host=host,
-        port=port,
         log_level="warning",
         timeout_graceful_shutdown=DRAIN_TIMEOUT_S,
         lifespan="off",
@@ -64,12 +80,13 @@ def _config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
 
 
 def run_server(
-    app: FastAPI, runtime: Runtime, host: str, port: int, on_ready: Callable[[str], None]
+    app: FastAPI, runtime: Runtime, sock: socket.socket, on_ready: Callable[[str], None]
 ) -> None:
-    """Serve until a stop signal, then finish in-flight requests and stop the engine."""
+    """Serve on a bound socket until a stop signal, then finish in-flight requests and stop
+    the engine."""
     runtime.start()
     try:
-        _Server(_config(app, host, port), app, on_ready).run()
+        _Server(_config(app), app, on_ready).run(sockets=[sock])
     finally:
         runtime.stop(drain=True)
 
@@ -85,9 +102,10 @@ def background_server(app: FastAPI, runtime: Runtime, host: str = "127.0.0.1") -
         urls.append(url)
         ready.set()
 
-    server = _Server(_config(app, host, 0), app, on_ready)
+    server = _Server(_config(app), app, on_ready)
+    sock = listen(host, 0)
     runtime.start()
-    thread = threading.Thread(target=server.run, name="flare-api", daemon=True)
+    thread = threading.Thread(target=server.run, args=([sock],), name="flare-api", daemon=True)
     thread.start()
     try:
         while not ready.wait(0.05):

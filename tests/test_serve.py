@@ -267,3 +267,17 @@ def test_sigterm_finishes_in_flight_requests_then_exits_zero(home: Path) -> None
     answer = answers[0]
     assert not isinstance(answer, Exception), answer
     assert answer.usage.completion_tokens == 300  # type: ignore[attr-defined]
+
+
+def test_a_taken_port_is_refused_at_once(home: Path, server: Server) -> None:
+    port = server.root.rsplit(":", 1)[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "flare", "serve", "tiny", "--port", port, "--device", "cpu"],
+        env=flare_env(home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
+    assert "pick another --port" in done.stderr and done.stderr.count("\n") == 1
