@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -25,8 +25,6 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from flare.build.check import CheckResult, check_build
-from flare.build.pipeline import Build, BuildRequest, BuildResult, PhaseReport, Signer
 from flare.config import (
     SETTINGS,
     Config,
@@ -36,15 +34,11 @@ from flare.config import (
     parse_size,
     record_signing_key,
 )
-from flare.registry.copy import copy_package
 from flare.registry.database import UnusableIndexError
-from flare.registry.gc import collect
 from flare.registry.registry import Registry, default_database
 from flare.sign import keys
 from flare.sign import policy as trust
-from flare.sign.envelope import sign_package
 from flare.sign.errors import UntrustedError
-from flare.sign.verify import Verdict, check_trusted
 from flare.store import BlobStore, Digest, VerifyReport
 from flare.store.digest import parse_prefix
 from flare.store.errors import (
@@ -55,7 +49,12 @@ from flare.store.errors import (
     from_os_error,
 )
 from flare.store.hashing import Progress as Advance
-from flare.store.package import Manifest
+
+if TYPE_CHECKING:  # imported where used: a listing command should not load what builds need
+    from flare.build.check import CheckResult
+    from flare.build.pipeline import BuildResult, PhaseReport, Signer
+    from flare.sign.verify import Verdict
+    from flare.store.package import Manifest
 
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -239,6 +238,9 @@ def build_command(
     as_json: JsonOption = False,
 ) -> None:
     """Build a package from a checkpoint, resumably, and publish it to the registry."""
+    from flare.build.check import check_build
+    from flare.build.pipeline import Build, BuildRequest
+
     config = load_config()
     target = open_registry(registry, create=check is None)
     progress = BuildProgress()
@@ -331,6 +333,8 @@ DEMO_QUESTION = "what does the registry keep?"
 def demo_command(as_json: JsonOption = False) -> None:
     """The main job on the embedded default: a tiny seeded model built, published, signed with
     a development key, pulled, served, and asked one question over the HTTP API."""
+    from flare.build.pipeline import Build, BuildRequest
+
     config = load_config()
     source = config.home / "demo" / "tiny-llama"
     if not (source / "model.safetensors").exists():
@@ -404,6 +408,8 @@ def key_signer(key: keys.PrivateKey, publisher: str) -> Signer:
     """The build's sign hook: sign the published package and store the signature beside it."""
 
     def sign(registry: Registry, digest: Digest, manifest: Manifest) -> None:
+        from flare.sign.envelope import sign_package
+
         registry.add_signature(digest, sign_package(key, publisher, digest, manifest))
 
     return sign
@@ -544,6 +550,8 @@ def sign_command(
         name_as = trust.publisher_for(
             trust.load_policy(config), key, publisher or config["signing.publisher"]
         )
+        from flare.sign.envelope import sign_package
+
         bundle = sign_package(key, name_as, digest, manifest)
     signed_as = target.add_signature(digest, bundle)
     data = {"name": name, "digest": str(digest), "publisher": signed_as}
@@ -583,11 +591,12 @@ def verify_command(
     report = target.verify(f"{name}@{digest.hex}" if name else digest.hex, workers)
     verdict = _verdict(target, digest, manifest, policy, accept)
     if as_json:
-        signature = asdict(verdict) if isinstance(verdict, Verdict) else {"refused": str(verdict)}
+        refused = isinstance(verdict, UntrustedError)
+        signature = {"refused": str(verdict)} if refused else asdict(verdict)
         print_json({"name": name, "digest": str(digest), "signature": signature, "ok": report.ok})
     else:
         _print_verify(report)
-        if isinstance(verdict, Verdict):
+        if not isinstance(verdict, UntrustedError):
             out.print(f"signed by {verdict.publisher} ({verdict.signer})", markup=False)
     _exit_for(report)
     if isinstance(verdict, UntrustedError):
@@ -602,6 +611,8 @@ def _verdict(
     accept: str | None,
 ) -> Verdict | UntrustedError:
     """The signature check's verdict, or its refusal (reported after the blobs' figures)."""
+    from flare.sign.verify import check_trusted
+
     try:
         verdict = check_trusted(registry.signatures(digest), digest, manifest, policy, accept)
     except UntrustedError as exc:
@@ -1160,6 +1171,8 @@ def registry_rm(ref: str, registry: RegistryOption = None, as_json: JsonOption =
 def registry_du(registry: RegistryOption = None, as_json: JsonOption = False) -> None:
     """Bytes the packages take: total, shared between packages, reclaimable by gc now."""
     target = open_registry(registry)
+    from flare.registry.gc import collect
+
     usage = {**target.usage(), "reclaimable": collect(target, 0.0, dry_run=True).freed_bytes}
     if as_json:
         print_json(usage)
@@ -1191,6 +1204,8 @@ def registry_gc(
     as_json: JsonOption = False,
 ) -> None:
     """Remove blobs no tag, pin or live lease reaches and untouched for the grace period."""
+    from flare.registry.gc import collect
+
     report = collect(open_registry(registry), parse_duration(grace), dry_run)
     if as_json:
         print_json(asdict(report))
@@ -1259,6 +1274,8 @@ def registry_copy(
     origin, dest = open_registry(source), open_registry(to, create=True)
     _, _, manifest = origin.manifest(ref)
     with progress_bar("copy", manifest.total_size()) as advance:
+        from flare.registry.copy import copy_package
+
         report = copy_package(origin, dest, ref, workers, advance)
     if as_json:
         print_json({**asdict(report), "digest": str(report.digest)})

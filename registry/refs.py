@@ -11,11 +11,15 @@ import json
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest, parse_prefix, resolve_prefix
 from flare.store.errors import InvalidInputError, NotFoundError
-from flare.store.package import Manifest, check_name, decode_index
+from flare.store.names import check_name
+
+if TYPE_CHECKING:
+    from flare.store.package import Manifest
 
 REFS_DIR = "refs"
 DEFAULT_TAG = "latest"
@@ -162,4 +166,6 @@ def resolve_package(store: BlobStore, text: str) -> tuple[str | None, Digest]:
 
 def read_manifest(store: BlobStore, digest: Digest) -> Manifest:
     """A package's manifest, from an index verified against its digest."""
+    from flare.store.package import decode_index  # pydantic: only for commands that read one
+
     return decode_index(store.read_bytes(digest), f"package {digest.short()}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
@@ -16,14 +17,15 @@ from sqlalchemy.orm import Session
 from flare.registry import refs, signatures
 from flare.registry.database import IndexDB
 from flare.registry.models import Blob, Package, Publication, Tag
-from flare.sign.envelope import read_bundle
 from flare.sign.errors import UntrustedError
 from flare.store.blobs import BlobStore, VerifyReport
 from flare.store.digest import Digest
 from flare.store.encoding import Encoding
 from flare.store.errors import FlareError, InvalidInputError, NotFoundError
 from flare.store.hashing import hash_bytes
-from flare.store.package import Manifest
+
+if TYPE_CHECKING:
+    from flare.store.package import Manifest
 
 INDEX_FILE = "index.db"
 
@@ -134,6 +136,8 @@ class Registry:
         Refused if malformed or made for another package; whether it is trusted is for the
         reader to decide (`flare verify`, pull). Returns the publisher the signature names.
         """
+        from flare.sign.envelope import read_bundle  # cryptography: not for listing commands
+
         signed = read_bundle(bundle, f"for {digest.short()}")
         if signed.claim.package != str(digest):
             raise UntrustedError(

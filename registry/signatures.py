@@ -8,7 +8,6 @@ column is rebuilt from these files.
 
 from __future__ import annotations
 
-from flare.sign.envelope import read_bundle
 from flare.sign.errors import UntrustedError
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
@@ -44,6 +43,8 @@ def read_signatures(store: BlobStore, digest: Digest) -> list[bytes]:
 
 def claimed_publisher(signatures: list[bytes]) -> str | None:
     """The publishers the signatures name, for listings (checked only by `flare verify`)."""
+    from flare.sign.envelope import read_bundle  # cryptography: only when there are some
+
     names = set()
     for data in signatures:
         try:

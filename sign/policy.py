@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from flare.sign.keys import PublicKey, fingerprint, load_public_key
 from flare.store.backends.local import write_file_atomic
 from flare.store.errors import FlareError, InvalidInputError, NotFoundError
-from flare.store.package import check_name
+from flare.store.names import check_name
 
 
 class Settings(Protocol):

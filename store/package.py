@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from flare.store.digest import Digest
 from flare.store.errors import InvalidInputError
+from flare.store.names import check_name
 from flare.store.safetensors import (
     DTYPE_SIZES,
     FormatError,
@@ -28,21 +28,6 @@ FORMAT_VERSION = 1
 RUNTIME_ABI = 1
 """Bumped whenever the runtime's reading of payloads or artifacts changes incompatibly."""
 MANIFEST_KEY = "flare.manifest"
-_ALL_HEX = re.compile(r"[0-9a-f]{8,}")
-"""Names that would read as a digest prefix."""
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
-
-
-def check_name(name: str, what: str = "package name") -> str:
-    """Names and tags: lowercase letters, digits, `.`, `_`, `-`; at most 128 characters."""
-    if not _NAME.fullmatch(name) or _ALL_HEX.fullmatch(
-        name
-    ):  # match's `$` would let a trailing newline through
-        raise InvalidInputError(
-            f"bad {what} {name!r}",
-            "use lowercase letters, digits, '.', '_' and '-' (max 128; not 8+ hex digits alone)",
-        )
-    return name
 
 
 def check_relative_path(path: str) -> str:
