@@ -217,6 +217,14 @@ class BuildProgress:
         err.print(message, markup=False)
 
 
+TimeoutOption = Annotated[
+    float,
+    typer.Option(
+        min=1, help="Seconds a rank may take to join or stay silent before the build stops."
+    ),
+]
+
+
 @app.command("build")
 def build_command(
     source: Annotated[
@@ -235,6 +243,14 @@ def build_command(
     check: Annotated[
         str | None, typer.Option(help="Rebuild REF from its recorded inputs and compare.")
     ] = None,
+    rendezvous: Annotated[
+        str | None,
+        typer.Option(
+            metavar="HOST:PORT",
+            help="Be rank zero of --ranks processes; the others run `flare join HOST:PORT`.",
+        ),
+    ] = None,
+    timeout: TimeoutOption = 300.0,
     as_json: JsonOption = False,
 ) -> None:
     """Build a package from a checkpoint, resumably, and publish it to the registry."""
@@ -267,6 +283,8 @@ def build_command(
         rehash=rehash,
         payload_bytes=parse_size(payload_size),
         workers=workers,
+        rendezvous=rendezvous,
+        timeout=timeout,
         staging=config["paths.export_staging"],
         hub_cache=config["paths.hub_cache"],
     )
@@ -321,6 +339,65 @@ def _print_build(result: BuildResult, as_json: bool) -> None:
 
 def _rate(nbytes: int, seconds: float) -> str:
     return f"{decimal(int(nbytes / seconds))}/s" if nbytes and seconds > 0 else ""
+
+
+# -- flare join -------------------------------------------------------------------------------
+
+
+@app.command("join")
+def join_command(
+    address: Annotated[str, typer.Argument(metavar="HOST:PORT", help="Rank zero's --rendezvous.")],
+    rank: Annotated[int, typer.Option(min=1, help="This process's rank (1 to ranks - 1).")],
+    local_checkpoint: Annotated[
+        str | None,
+        typer.Option(
+            metavar="require|prefer",
+            help="Read this host's copy of the checkpoint (prefer: else receive from rank 0).",
+        ),
+    ] = None,
+    checkpoint: Annotated[
+        str | None,
+        typer.Option(help="This host's copy (default: the SOURCE rank 0 was given)."),
+    ] = None,
+    registry: RegistryOption = None,
+    workers: Annotated[int | None, typer.Option(min=1, help="Payloads written at once.")] = None,
+    rehash: Annotated[bool, typer.Option(help="Hash the local checkpoint again.")] = False,
+    timeout: TimeoutOption = 300.0,
+    as_json: JsonOption = False,
+) -> None:
+    """Take part as rank R in a build rank zero runs with --rendezvous HOST:PORT."""
+    from flare.build.join import LOCAL_MODES, Join, JoinRequest
+
+    if local_checkpoint not in (None, *LOCAL_MODES):
+        raise InvalidInputError(
+            f"--local-checkpoint {local_checkpoint} is not require or prefer", "pick one"
+        )
+    config = load_config()
+    request = JoinRequest(
+        address=address,
+        rank=rank,
+        registry=registry or config.registry,
+        staging=config["paths.export_staging"],
+        hub_cache=config["paths.hub_cache"],
+        local_checkpoint=local_checkpoint,
+        checkpoint=checkpoint,
+        workers=workers,
+        timeout=timeout,
+        rehash=rehash,
+    )
+    progress = BuildProgress()
+    with progress.bar:
+        result = Join(request, progress).run()
+    phases = [asdict(p) for p in result.phases]
+    if as_json:
+        print_json({**asdict(result), "phases": phases})
+        return
+    rows = [(p.name, p.status, f"{p.seconds:.2f} s", decimal(p.bytes)) for p in result.phases]
+    print_table("", ("phase", "status", "time", "bytes"), rows)
+    out.print(
+        f"rank {rank}: {result.written} payloads written, {result.reused} reused "
+        f"(bytes from {result.source}, into {result.store}); package {result.digest}"
+    )
 
 
 # -- flare demo -------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ rebuild with one changed option redoes only what depends on it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,8 +20,10 @@ from flare.build.faults import crash_point
 from flare.build.journal import Journal, inputs_digest
 from flare.build.payloads import PayloadReader
 from flare.build.plan import PAYLOAD_BYTES, PlannedPayload, plan_payloads
+from flare.build.ranks import Leader
 from flare.build.recipes import recipe_for
 from flare.build.recipes.base import Recipe, check_tensors
+from flare.build.rendezvous import Rendezvous
 from flare.build.sources import Source, resolve_source
 from flare.build.statcache import StatCache, digest_files
 from flare.registry.leases import Lease, add_to_lease, hold_lease
@@ -57,6 +60,10 @@ class BuildRequest:
     workers: int | None = None
     """Files hashed and payloads written at once (default: the cores for hashing,
     PAYLOAD_WORKERS for payloads); never changes a digest."""
+    rendezvous: str | None = None
+    """HOST:PORT where the other ranks join (`flare join`): one process per rank."""
+    timeout: float = 300.0
+    """Seconds a rank may stay silent (or take to join) before the build stops, naming it."""
 
     def options(self) -> dict[str, Any]:
         """The options that shape the package, recorded in its manifest."""
@@ -65,7 +72,8 @@ class BuildRequest:
     def recorded(self) -> dict[str, Any]:
         """The request as the journal keeps it (for --check), without host-only settings."""
         kept = asdict(self)
-        kept.pop("workers")
+        for host_only in ("workers", "rendezvous", "timeout"):
+            kept.pop(host_only)
         return {k: str(v) if isinstance(v, Path) else v for k, v in kept.items()}
 
 
@@ -115,6 +123,8 @@ class Build:
         check_name(request.tag, "tag")
         if request.model_id is not None and not 0 < len(request.model_id) <= 256:
             raise InvalidInputError("--model-id must be 1 to 256 characters", "shorten it")
+        if request.rendezvous is not None and request.ranks < 2:
+            raise InvalidInputError("--rendezvous needs --ranks 2 or more", "add --ranks N")
         self.request = request
         self.registry = registry
         self.store = registry.store
@@ -126,6 +136,7 @@ class Build:
         self.source: Source | None = None
         self.states: dict[str, FileState] = {}
         self.lease: Lease | None = None
+        self.leader: Leader | None = None
 
     def run(self) -> BuildResult:
         """Check the request, then every phase under a lease that keeps gc off its blobs."""
@@ -135,10 +146,33 @@ class Build:
         config = read_config(self.source)
         recipe, _architecture = recipe_for(config)
         recipe.check_ranks(config, request.ranks)  # refused before any work is done
-        with hold_lease(self.store, "build", protect_new=True) as self.lease:
+        with hold_lease(self.store, "build", protect_new=True) as self.lease, self._ranks():
             result = self._run(started, recipe, config)
             self._check_published(result.manifest)
+            if self.leader is not None:
+                self.leader.finish(str(result.digest))
             return result
+
+    @contextmanager
+    def _ranks(self) -> Iterator[None]:
+        """With --rendezvous: wait for every rank to join; stop them all if this build fails."""
+        if self.request.rendezvous is None:
+            yield
+            return
+        started = time.perf_counter()
+        self.events.phase_started("rendezvous", 0)
+        rendezvous = Rendezvous.host(
+            self.request.rendezvous, self.request.ranks, self.request.timeout
+        )
+        self._finish("rendezvous", "done", started, 0)
+        self.leader = Leader(rendezvous, self.store)
+        try:
+            yield
+        except BaseException as exc:
+            self.leader.fail(str(exc) or type(exc).__name__)
+            raise
+        finally:
+            rendezvous.close()
 
     def _check_published(self, manifest: Manifest) -> None:
         """Every blob the package names is stored (a gc racing a resumed build is caught)."""
@@ -162,6 +196,8 @@ class Build:
                 self.events.note("waited for another build of the same inputs; reusing its work")
             tensors = self._load(files, recipe, config)
             plan = self._shard(tensors, recipe, config, files)
+            if self.leader is not None:
+                self.leader.share(self, plan, files)
             plan_digest = _digest_of([p.describe() for p in plan])
             tuning = self._empty_phase("tune", {"plan": plan_digest}, "records")
             compiled = self._empty_phase(
@@ -249,11 +285,7 @@ class Build:
         reused: list[bool] = []
 
         def assemble() -> tuple[dict, int, list]:
-            entries = parallel_map(
-                lambda item: self._payload(*item, reused),
-                list(zip(plan, sizes, strict=True)),
-                self.request.workers or PAYLOAD_WORKERS,
-            )
+            entries = self._write_payloads(plan, sizes, reused)
             stored = [self._artifact(n, f, recipe) for n, f in sorted(artifacts.items())]
             blobs = [e["digest"] for e in entries] + [a["digest"] for a in stored]
             return {"payloads": entries, "artifacts": stored}, sum(sizes), blobs
@@ -263,29 +295,60 @@ class Build:
             self.reports[-1].status = "resumed"
         return outputs
 
-    def _payload(self, payload: PlannedPayload, size: int, reused: list[bool]) -> dict[str, Any]:
-        """One payload blob: from its journal record if stored, else streamed from the source."""
-        assert self.source is not None
-        key = inputs_digest("payload", payload.describe())
-        record = self.journal.get("payload", key) if self.reuse else None
-        if record is not None:
-            self._keep(Digest.parse(record["digest"]))
-        if record is not None and self.store.has(Digest.parse(record["digest"])):
-            reused.append(True)
-            self.events.advance(size)
-            return payload.manifest_entry(record["digest"], record["size"])
-        reused.append(False)
-        paths = {t.source.file: self.source.root / t.source.file for t in payload.tensors}
-        self._check_sources(paths)
+    def _write_payloads(
+        self, plan: list[PlannedPayload], sizes: list[int], reused: list[bool]
+    ) -> list[dict[str, Any]]:
+        """Every payload's manifest entry, built here or, with peers, by the rank owning it."""
+        if self.leader is not None:
+            return self.leader.write_payloads(self, plan, sizes, reused)
+
+        def one(item: tuple[PlannedPayload, int]) -> dict[str, Any]:
+            entry = self.recorded_entry(*item)
+            reused.append(entry is not None)
+            return entry or self.fresh_entry(*item)
+
+        return parallel_map(one, list(zip(plan, sizes, strict=True)), self.payload_workers())
+
+    def payload_workers(self) -> int:
+        return self.request.workers or PAYLOAD_WORKERS
+
+    def map_payloads(self, action: Callable[[int], None], indices: Sequence[int]) -> None:
+        """Run `action` on payload indices with the build's payload workers."""
+        parallel_map(action, indices, self.payload_workers())
+
+    def recorded_entry(self, payload: PlannedPayload, size: int) -> dict[str, Any] | None:
+        """The payload's entry from its journal record, if its blob is still stored."""
+        record = self.journal.get("payload", _payload_key(payload)) if self.reuse else None
+        if record is None:
+            return None
+        self._keep(Digest.parse(record["digest"]))
+        if not self.store.has(Digest.parse(record["digest"])):
+            return None
+        self.events.advance(size)
+        return payload.manifest_entry(record["digest"], record["size"])
+
+    def fresh_entry(self, payload: PlannedPayload, size: int) -> dict[str, Any]:
+        """One payload blob streamed from the source into the store, then recorded."""
+        paths = self.source_paths(payload)
+        self.check_sources(paths)
         with PayloadReader(payload, paths) as reader:
             result = self.store.put_stream(reader, reader.size, progress=self.events.advance)
-        self._check_sources(paths)
-        self._keep(result.digest)
-        self.journal.put("payload", key, {"digest": str(result.digest), "size": result.size})
-        crash_point("assemble:payload")
-        return payload.manifest_entry(str(result.digest), result.size)
+        self.check_sources(paths)
+        return self.record_entry(payload, str(result.digest), result.size)
 
-    def _check_sources(self, paths: dict[str, Path]) -> None:
+    def record_entry(self, payload: PlannedPayload, digest: str, size: int) -> dict[str, Any]:
+        """Journal a stored payload (it is kept from gc) and return its manifest entry."""
+        self._keep(Digest.parse(digest))
+        self.journal.put("payload", _payload_key(payload), {"digest": digest, "size": size})
+        crash_point("assemble:payload")
+        return payload.manifest_entry(digest, size)
+
+    def source_paths(self, payload: PlannedPayload) -> dict[str, Path]:
+        """The source files a payload's bytes come from, by their names in the checkpoint."""
+        assert self.source is not None
+        return {t.source.file: self.source.root / t.source.file for t in payload.tensors}
+
+    def check_sources(self, paths: dict[str, Path]) -> None:
         """The files read must still be the files hashed: else the manifest would lie."""
         for name, path in paths.items():
             check_unchanged(path, self.states[name], FileState.of(path.stat()))
@@ -398,6 +461,10 @@ class Build:
 
     def _inputs_digest(self, files: dict, recipe: Recipe) -> Digest:
         return hash_bytes(canonical_json(self._build_inputs(files, recipe)).encode())
+
+
+def _payload_key(payload: PlannedPayload) -> Digest:
+    return inputs_digest("payload", payload.describe())
 
 
 def _recipe_id(recipe: Recipe) -> dict[str, Any]:
