@@ -147,6 +147,8 @@ class Build:
         recipe, _architecture = recipe_for(config)
         recipe.check_ranks(config, request.ranks)  # refused before any work is done
         with hold_lease(self.store, "build", protect_new=True) as self.lease, self._ranks():
+            if self.leader is not None:  # resolve's time starts once every rank has joined
+                started = time.perf_counter()
             result = self._run(started, recipe, config)
             self._check_published(result.manifest)
             if self.leader is not None:
