@@ -311,16 +311,18 @@ class Registry:
 
 
 def _listings(session: Session, name: str | None, model: str | None) -> list[Listing]:
-    """Columns, not ORM objects: building 10,000s of entities costs more than the queries."""
+    """Columns through Core, not ORM objects or ORM result processing: building 10,000s of
+    entities costs more than the queries."""
+    connection = session.connection()
     single = select(Blob.blob).group_by(Blob.blob).having(func.count() == 1).subquery()
     unique_query = (
         select(Blob.package, func.sum(Blob.size))
         .join(single, single.c.blob == Blob.blob)
         .group_by(Blob.package)
     )
-    unique = dict(session.execute(unique_query).all())
+    unique = dict(connection.execute(unique_query).all())
     tags: dict[tuple[str, str], list[str]] = {}
-    for tag_name, digest, tag in session.execute(select(Tag.name, Tag.digest, Tag.tag)):
+    for tag_name, digest, tag in connection.execute(select(Tag.name, Tag.digest, Tag.tag)):
         tags.setdefault((tag_name, digest), []).append(tag)
     query = select(
         Publication.name,
@@ -339,7 +341,7 @@ def _listings(session: Session, name: str | None, model: str | None) -> list[Lis
     if model:
         query = query.where(Package.model_id == model)
     order = (Publication.created.desc(), Publication.name, Publication.digest)
-    rows = session.execute(query.order_by(*order))
+    rows = connection.execute(query.order_by(*order))
     return [_listing(row, tags, unique) for row in rows]
 
 
