@@ -19,6 +19,7 @@ from flare.registry import refs, signatures
 from flare.registry.leases import drop_expired_leases, live_leases
 from flare.registry.registry import Registry
 from flare.store.digest import Digest
+from flare.store.package import referenced_blobs
 
 REREAD_ROOTS_S = 0.2
 
@@ -53,18 +54,20 @@ def roots(registry: Registry) -> tuple[set[Digest], float | None]:
     return found, min(starts) if starts else None
 
 
-def leased_blobs(registry: Registry) -> set[Digest]:
-    """Single blobs live leases hold."""
-    return {Digest.parse(d) for lease in live_leases(registry.store) for d in lease.blobs}
+def leased_blobs(registry: Registry) -> set[str]:
+    """Single blobs live leases hold, as hex digests."""
+    return {Digest.parse(d).hex for lease in live_leases(registry.store) for d in lease.blobs}
 
 
-def mark(registry: Registry, packages: set[Digest]) -> set[Digest]:
-    """Every blob the packages need, indexes included (missing packages mark nothing)."""
-    marked: set[Digest] = set()
+def mark(registry: Registry, packages: set[Digest]) -> set[str]:
+    """The hex digest of every blob the packages need, indexes included (missing packages
+    mark nothing); each index is verified against its digest before it is read."""
+    marked: set[str] = set()
     for digest in packages:
         if registry.store.has(digest):
-            marked.add(digest)
-            marked.update(refs.read_manifest(registry.store, digest).blobs())
+            marked.add(digest.hex)
+            index = registry.store.read_bytes(digest)
+            marked.update(referenced_blobs(index, f"package {digest.short()}"))
     return marked
 
 
@@ -73,7 +76,7 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     started = time.time()
     report = GcReport(dry_run=dry_run)
     packages, build_start = roots(registry)
-    marked = {d.hex for d in mark(registry, packages) | leased_blobs(registry)}
+    marked = mark(registry, packages) | leased_blobs(registry)
     candidates = [(h, key) for h, _, key in registry.store.iter_blob_names() if h not in marked]
     checked_at = time.monotonic()
     for hex_digest, key in candidates:
@@ -105,7 +108,7 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
 def _reread(registry: Registry, packages: set[Digest], marked: set[str]) -> tuple[set, float]:
     """Roots added since the mark (a new tag, a new lease) protect their blobs too."""
     fresh, build_start = roots(registry)
-    marked.update(d.hex for d in mark(registry, fresh - packages) | leased_blobs(registry))
+    marked.update(mark(registry, fresh - packages) | leased_blobs(registry))
     return packages | fresh, build_start  # type: ignore[return-value]
 
 

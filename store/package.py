@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
@@ -192,6 +193,27 @@ def decode_index(data: bytes, where: str) -> Manifest:
         raise FormatError(f"{where}: manifest field {location}: {first['msg']}") from exc
     _check_payload_ranks(manifest, where)
     return manifest
+
+
+_DIGEST_TEXT = re.compile(r"blake3:([0-9a-f]{64})")
+
+
+def referenced_blobs(data: bytes, where: str) -> set[str]:
+    """The hex digest of every blob an index names, read without building the manifest model.
+
+    gc marks every blob of every root; validating 100,000s of digests through pydantic costs
+    far more than the sweep itself. Anything unexpected (another format, a malformed entry)
+    falls back to the full, validating reader, which says what is wrong.
+    """
+    header = read_header(io.BytesIO(data), len(data), where)
+    try:
+        raw = json.loads(header.metadata[MANIFEST_KEY])
+        if raw["format"] == FORMAT_VERSION:
+            entries = raw["payloads"] + raw["artifacts"]
+            return {_DIGEST_TEXT.fullmatch(entry["digest"])[1] for entry in entries}  # type: ignore[index]
+    except (KeyError, TypeError, ValueError, RecursionError):
+        pass
+    return {digest.hex for digest in decode_index(data, where).blobs()}
 
 
 def _check_format(raw: object, where: str) -> None:

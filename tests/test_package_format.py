@@ -32,6 +32,7 @@ from flare.store.package import (
     check_relative_path,
     decode_index,
     encode_index,
+    referenced_blobs,
 )
 from flare.store.safetensors import (
     MAX_HEADER,
@@ -717,3 +718,18 @@ def test_check_name_refuses_bad_names(name: str) -> None:
     with pytest.raises(InvalidInputError, match="bad package name") as info:
         check_name(name)
     assert "lowercase" in str(info.value)
+
+
+def test_referenced_blobs_are_the_manifests_blobs() -> None:
+    data = manifest_data()
+    expected = {d.hex for d in make_manifest().blobs()}
+    assert referenced_blobs(index_of(data), "index") == expected
+
+
+def test_referenced_blobs_of_a_malformed_index_fall_back_to_the_validating_reader() -> None:
+    bad = changed(manifest_data(), ("payloads", 0, "digest"), "blake3:" + "Z" * 64)
+    with pytest.raises(FormatError, match=r"payloads\.0\.digest"):
+        referenced_blobs(index_of(bad), "index")
+    newer = changed(manifest_data(), ("format",), FORMAT_VERSION + 1)
+    with pytest.raises(FormatError, match="upgrade flare"):
+        referenced_blobs(index_of(newer), "index")

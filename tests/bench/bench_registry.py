@@ -528,13 +528,15 @@ def import_costs(env: dict[str, str], limit: int = PROFILE_LINES) -> list[str]:
 # -- 2. gc --------------------------------------------------------------------------------
 
 
-def populate_blobs(registry: Registry, count: int) -> list[str]:
-    """Write `count` distinct 64-byte blobs and publish a few tagged packages using some."""
+def populate_blobs(registry: Registry, count: int, live: float) -> list[str]:
+    """Write `count` distinct 64-byte blobs and publish a few tagged packages holding the
+    `live` fraction of them (at least GC_BLOBS_PER_PACKAGE each)."""
     root = Path(registry.location)
     digests = [write_blob(root, n.to_bytes(8, "big") * 8) for n in range(count)]
     held: list[Digest] = []
+    per_package = max(GC_BLOBS_PER_PACKAGE, int(count * live) // GC_PACKAGES)
     for k in range(GC_PACKAGES):
-        chosen = digests[k * GC_BLOBS_PER_PACKAGE : (k + 1) * GC_BLOBS_PER_PACKAGE]
+        chosen = digests[k * per_package : (k + 1) * per_package]
         held += chosen
         manifest = make_manifest(k * VERSIONS, [(d, 64) for d in chosen], [])
         index = write_blob(root, encode_index(manifest))
@@ -572,13 +574,16 @@ def count_files(blobs: Path) -> int:
     return int(done.stdout)
 
 
-def bench_gc(workdir: Path, count: int, repeat: int) -> Section:
+def bench_gc(workdir: Path, count: int, repeat: int, live: float) -> Section:
     """Time a dry-run collection over `count` blobs against listing them with find."""
-    section = Section(f"2. gc over {count} blobs (target: within {GC_TARGET}x of find | wc -l)")
+    section = Section(
+        f"2. gc over {count} blobs, {live:.1%} of them live "
+        f"(target: within {GC_TARGET}x of find | wc -l)"
+    )
     home, location = workdir / "gc-home", workdir / "gc-registry"
     registry = open_registry(location, home)
     log(f"writing {count} blobs into {location}")
-    section.notes += populate_blobs(registry, count)
+    section.notes += populate_blobs(registry, count, live)
     blobs = location / BLOB_DIR
     section.notes += check_gc(registry, count_files(blobs))
     keep = Timing("collect(grace_s=3600, dry_run=True)")
@@ -626,7 +631,7 @@ def explain_gc(registry: Registry, blobs: Path, find_s: float) -> list[str]:
     packages, _start = gc.roots(registry)
     marked = gc.mark(registry, packages)
     names = list(store.iter_blob_names())
-    marked_hex = {d.hex for d in marked}
+    marked_hex = marked
     candidates = [key for h, _, key in names if h not in marked_hex]
     keys = list(store.backend.iter_names(BLOB_DIR))
     parts = time_stages(
@@ -774,6 +779,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--packages", type=int, default=10_000, help="packages for ls")
     parser.add_argument("--blobs", type=int, default=100_000, help="blobs for gc")
+    parser.add_argument(
+        "--gc-live",
+        type=float,
+        default=0.0,
+        help="fraction of the gc store's blobs that packages hold (0: the fewest, the worst case)",
+    )
     parser.add_argument("--verify-gib", type=float, default=1.0, help="package size for verify")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs of each case")
     parser.add_argument("--workdir", type=Path, help="folder to work in (default: under /tmp)")
@@ -796,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sections = [
             bench_ls(workdir, args.packages, args.repeat),
-            bench_gc(workdir, args.blobs, args.repeat),
+            bench_gc(workdir, args.blobs, args.repeat, args.gc_live),
             bench_verify(workdir, int(args.verify_gib * GIB), args.repeat),
         ]
     finally:
