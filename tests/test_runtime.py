@@ -334,3 +334,23 @@ def test_chat_template_and_package_settings(llama: GenerateRuntime) -> None:
     assert llama.tokenizer.token_to_id("<|endoftext|>") in llama.eos_token_ids
     assert llama.token_text(llama.tokenizer.token_to_id("<|user|>")) == "<|user|>"
     assert llama.kind == "generate" and llama.context_length == 256
+
+
+def test_a_bfloat16_runtime_keeps_queries_and_keys_in_its_dtype(
+    packages: dict[str, Package],
+) -> None:
+    """GPUs run bf16 by default; the rotary tables must not upcast what goes into the cache."""
+    manifest, files, folder = packages["Qwen3ForCausalLM"]
+    runtime = load_runtime(manifest, files, kv_cache_tokens=256, dtype=torch.bfloat16)
+    runtime.start()
+    try:
+        prompt = prompt_ids(runtime, "the registry keeps packages")
+        ours = generate(runtime, prompt, max_tokens=8)
+    finally:
+        runtime.stop()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    with torch.inference_mode():
+        theirs = model(torch.tensor([prompt])).logits[0, -1]
+    assert len(ours) == 8 and ours[0] == int(theirs.argmax())

@@ -86,7 +86,9 @@ def _llama3_frequencies(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.T
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, dim]; cos, sin: [tokens, dim]."""
+    """x: [tokens, heads, dim]; cos, sin: [tokens, dim], computed in float32 and cast to x's
+    dtype here, as transformers does (a bf16 model keeps bf16 queries and keys)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
