@@ -298,7 +298,8 @@ class _Reply:
                 )
             async for delta in handle.stream():
                 self.completion_tokens += len(delta.token_ids)
-                yield self._event([self._chunk_choice(delta)])
+                if delta.text or delta.finish_reason or delta.logprobs:  # not a half character
+                    yield self._event([self._chunk_choice(delta)])
             if with_usage:
                 yield self._event([], usage=self.usage())
             yield "data: [DONE]\n\n"

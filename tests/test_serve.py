@@ -138,6 +138,8 @@ def test_streamed_chat_equals_the_whole_answer(server: Server) -> None:
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
+    middle = [c.choices[0] for c in chunks[1:] if c.choices]  # after the role chunk
+    assert all(choice.delta.content or choice.finish_reason for choice in middle)
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert whole.choices[0].message.role == "assistant"
 
