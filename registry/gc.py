@@ -77,7 +77,7 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     report = GcReport(dry_run=dry_run)
     packages, build_start = roots(registry)
     marked = mark(registry, packages) | leased_blobs(registry)
-    candidates = [(h, key) for h, _, key in registry.store.iter_blob_names() if h not in marked]
+    candidates = list(registry.store.iter_unmarked(marked))
     checked_at = time.monotonic()
     for hex_digest, key in candidates:
         if time.monotonic() - checked_at > REREAD_ROOTS_S:

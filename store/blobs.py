@@ -242,12 +242,18 @@ class BlobStore:
     def has(self, digest: Digest) -> bool:
         return self.locate(digest) is not None
 
-    def iter_blob_names(self) -> Iterator[tuple[str, Encoding, str]]:
-        """Every stored blob's hex digest, encoding and key, listed without a stat per blob."""
+    def iter_unmarked(self, marked: set[str]) -> Iterator[tuple[str, str]]:
+        """(hex digest, key) of every stored blob whose digest is not in `marked`.
+
+        gc's sweep: a name that ends in a marked digest is passed over without parsing it (a
+        stray file named like a live blob is kept, which is safe); only the rest are parsed.
+        """
         for key in self.backend.iter_names(BLOB_DIR):
+            if key[-HEX_LENGTH:] in marked:
+                continue
             parsed = blob_name(key)
-            if parsed is not None:
-                yield parsed[0], parsed[1], key
+            if parsed is not None and parsed[0] not in marked:
+                yield parsed[0], key
 
     def iter_blobs(self, stray: list[str] | None = None) -> Iterator[BlobInfo]:
         """Every stored blob; files that are not blobs are appended to `stray` if given."""
