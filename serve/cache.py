@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from flare.registry.signatures import read_signatures, write_signature
+from flare.registry.signatures import write_signature
 from flare.store.blobs import BlobStore, blob_key
 from flare.store.digest import Digest
 from flare.store.encoding import Encoding
-from flare.store.errors import IntegrityError, NotFoundError
-from flare.store.package import Manifest, decode_index
+from flare.store.errors import IntegrityError
+from flare.store.package import Manifest
 
 
 class HostCache:
@@ -40,17 +40,6 @@ class HostCache:
         stored = self.store.put_bytes(index).digest
         if stored != digest:
             raise IntegrityError(f"the index of {name or digest.short()} changed while pulled")
-
-    def manifest(self, digest: Digest) -> Manifest:
-        """A pulled package's manifest, read and verified from the cache."""
-        if not self.store.has(digest):
-            raise NotFoundError(
-                f"package {digest.short()} is not in the host cache {self.root}", "pull it first"
-            )
-        return decode_index(self.store.read_bytes(digest), f"package {digest.short()}")
-
-    def signatures(self, digest: Digest) -> list[bytes]:
-        return read_signatures(self.store, digest)
 
     def files(self, manifest: Manifest) -> dict[str, Path]:
         """Every blob of the package as a local file, keyed by its digest text."""

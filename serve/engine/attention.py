@@ -48,10 +48,6 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
 
-    @property
-    def is_decode(self) -> bool:
-        return all(n == 1 for n in self.query_lens_cpu)
-
 
 class AttentionBackend(Protocol):
     """What model code calls; owns the KV cache."""

@@ -91,10 +91,6 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
-
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
