@@ -33,14 +33,13 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import log, remove, run, sync, timed
+from common import log, remove, run, scratch, sync, timed
 
 from flare.build.tiny import make_synthetic_llama
 from flare.registry.refs import read_manifest, resolve_package
@@ -456,13 +455,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark in a fresh folder under --workdir (or /tmp), removed at the end."""
     args = parse_args(argv)
-    parent = args.workdir or Path("/tmp")
-    parent.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="flare-bench-build-", dir=parent))
-    try:
+    with scratch(args.workdir, "flare-bench-build-") as workdir:
         results = benchmark(workdir, int(args.size_gib * GIB), args.repeat)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
         print_json(results)
     else:

@@ -25,11 +25,10 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from common import log, remove, sync
+from common import log, remove, scratch, sync
 
 from flare.build.tiny import make_synthetic_llama
 from flare.store import BlobStore
@@ -118,24 +117,27 @@ def main() -> None:
     parser.add_argument("--payload-size", default="256M")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-multirank-"))
+    with scratch(args.workdir, "flare-bench-multirank-") as work:
+        rows, figures = run_all(work, args.gib, args.payload_size)
+    print_table(rows)
+    gb = figures["bytes"] / 1e9
+    print(f"\nstoring {gb:.2f} GB of payload files: linked {figures['link']:.2f} s, "
+          f"copied {figures['copy']:.2f} s")  # fmt: skip
+
+
+def run_all(work: Path, gib: float, payload_size: str) -> tuple[list, dict]:
+    """Every arrangement on one checkpoint made in `work`; the rows and link/copy figures."""
     ckpt = work / "ckpt"
-    if not (ckpt / "config.json").exists():
-        log(f"making a {args.gib} GiB checkpoint in {ckpt}")
-        make_synthetic_llama(ckpt, int(args.gib * (1 << 30)))
+    log(f"making a {gib} GiB checkpoint in {ckpt}")
+    make_synthetic_llama(ckpt, int(gib * (1 << 30)))
     subprocess.run(["cat", *map(str, ckpt.iterdir())], stdout=subprocess.DEVNULL, check=True)
     rows = []
     for ranks, modes in ((1, ["single"]), (2, MODES), (4, MODES)):
         for mode in modes:
             log(f"{ranks} ranks, {mode}")
-            summary = build(ckpt, work / "run", ranks, args.payload_size, mode)
+            summary = build(ckpt, work / "run", ranks, payload_size, mode)
             rows.append((ranks, mode, summary))
-    print_table(rows)
-    figures = link_vs_copy(work / "run")
-    gb = figures["bytes"] / 1e9
-    print(f"\nstoring {gb:.2f} GB of payload files: linked {figures['link']:.2f} s, "
-          f"copied {figures['copy']:.2f} s")  # fmt: skip
-    remove(work / "run")
+    return rows, link_vs_copy(work / "run")
 
 
 MODES = ["single", "shared+local", "shared+received", "apart", "serial"]

@@ -57,7 +57,7 @@ from typing import Any
 from unittest import mock
 
 from blake3 import blake3
-from common import timed
+from common import scratch, timed
 
 from flare.build.tiny import make_synthetic_llama
 from flare.registry import gc, refs
@@ -797,18 +797,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the three sections in a fresh folder under --workdir (or /tmp), removed at the end."""
     args = parse_args(argv)
     started_load, code = load(), git_state()
-    parent = args.workdir or Path("/tmp")
-    parent.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="flare-bench-registry-", dir=parent))
-    log(f"working in {workdir}; load average {started_load}")
-    try:
+    with scratch(args.workdir, "flare-bench-registry-") as workdir:
+        log(f"working in {workdir}; load average {started_load}")
         sections = [
             bench_ls(workdir, args.packages, args.repeat),
             bench_gc(workdir, args.blobs, args.repeat, args.gc_live),
             bench_verify(workdir, int(args.verify_gib * GIB), args.repeat),
         ]
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     print_report(sections, started_load, code, args.repeat)
     return 0
 

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import log
+from common import log, scratch
 
 PROMPTS = [
     "what does the registry keep?",
@@ -184,8 +184,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(dir=args.workdir, prefix="flare-bench-serve-") as work:
-        env, source = prepare(Path(work))
+    with scratch(args.workdir, "flare-bench-serve-") as work:
+        env, source = prepare(work)
         server, url = start_server(env)
         log(f"server at {url}; {args.clients} clients for {args.seconds:.0f} s")
         try:

@@ -19,10 +19,8 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import blake3
-from common import log, remove, run, sync, timed
+from common import log, remove, run, scratch, sync, timed
 
 from flare.store.blobs import BlobStore, PutResult
 from flare.store.hashing import hash_file, hash_files
@@ -523,17 +521,9 @@ def benchmark(workdir: Path, size: int, repeat: int) -> Report:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    parent = args.workdir or Path("/tmp")
-    parent.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="flare-bench-", dir=parent))
     size = int(args.size_gib * GIB) // (MANY_FILES * MIB) * (MANY_FILES * MIB)
-    try:
+    with scratch(args.workdir, "flare-bench-") as workdir:
         report = benchmark(workdir, size, args.repeat)
-    finally:
-        if os.path.ismount(workdir / "xfs"):
-            log(f"left {workdir} in place: {workdir / 'xfs'} is still mounted")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
         print_json(report)
     else:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -41,3 +44,20 @@ def remove(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
+
+
+@contextmanager
+def scratch(parent: Path | None, prefix: str) -> Iterator[Path]:
+    """A fresh folder under `parent` (default /tmp) for one run, removed afterwards; left in
+    place (and said so) while a filesystem is still mounted inside it."""
+    parent = parent or Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield workdir
+    finally:
+        mounted = [p for p in workdir.rglob("*") if p.is_dir() and os.path.ismount(p)]
+        if mounted:
+            log(f"left {workdir} in place: {mounted[0]} is still mounted")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
