@@ -454,7 +454,7 @@ def ask_served(ref: str, question: str) -> dict[str, Any]:
     from flare.serve.server import background_server
 
     source, cache, pulled = pull_into_cache(ref, None, None, None, None)
-    runtime, api = load_package_app(source, cache, pulled.plan, None, None, None)
+    runtime, api = load_package_app(source, cache, pulled.plan, None, None)
     body = {
         "model": pulled.plan.manifest.name,
         "messages": [{"role": "user", "content": question}],
@@ -821,7 +821,7 @@ def serve_command(
     source, cache, report = pull_into_cache(ref, registry, device, revision, accept)
     plan = report.plan
     with hold_lease(source.store, "serve", packages=[plan.digest]):
-        runtime, app_ = load_package_app(source, cache, plan, device, kv_cache_tokens, api_key)
+        runtime, app_ = load_package_app(source, cache, plan, kv_cache_tokens, api_key)
         run_server(app_, runtime, sock, _say_ready(plan))
 
 
@@ -829,23 +829,21 @@ def load_package_app(
     source: Registry,
     cache: Any,
     plan: Any,
-    device: str | None,
     kv_cache_tokens: int | None,
     api_key: str | None,
 ) -> tuple[Any, Any]:
-    """Load the pulled package (printing what it cost) and make its API app."""
+    """Load the pulled package on the device pull admitted it for (printing what it cost)
+    and make its API app."""
     import time
 
     from flare.serve.api import ServedPackage, create_app
-    from flare.serve.compat import choose_device
     from flare.serve.runtime import load_runtime
 
     started = time.perf_counter()
-    chosen = choose_device(device)
     runtime = load_runtime(
         plan.manifest,
         cache.files(plan.manifest),
-        chosen,
+        plan.device,
         kv_cache_tokens,
         memory_reserve=load_config()["memory.reserve"],
     )
@@ -853,7 +851,7 @@ def load_package_app(
     kv = runtime.kv_stats()
     kv_text = f"; KV cache {kv['blocks_total'] * kv['block_size']} tokens" if kv else ""
     err.print(
-        f"loaded {plan.manifest.name} ({decimal(weights)} of weights) on {chosen} in "
+        f"loaded {plan.manifest.name} ({decimal(weights)} of weights) on {plan.device} in "
         f"{time.perf_counter() - started:.2f} s{kv_text}",
         markup=False,
     )

@@ -9,6 +9,7 @@ request, which frees its KV pages at the engine's next step.
 from __future__ import annotations
 
 import base64
+import json
 import secrets
 import struct
 import time
@@ -359,6 +360,4 @@ def _legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _json(value: Any) -> str:
-    import json
-
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

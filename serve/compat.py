@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 from flare.store.errors import FlareError
 from flare.store.package import RUNTIME_ABI, Manifest
@@ -83,10 +84,8 @@ def _major_minor(version: str) -> str:
 
 def _flashinfer_version() -> str | None:
     try:
-        from importlib.metadata import version
-
         return version("flashinfer-python")
-    except Exception:  # not installed, or installed without metadata: none here
+    except PackageNotFoundError:
         return None
 
 

@@ -9,6 +9,7 @@ them alone, and the index is written last: a package in the cache is complete.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ class PullPlan:
     signatures: list[bytes]
     verdict: Verdict
     admission: Admission
+    device: str
+    """Where the package will run ("cpu" or "cuda"), which admission sized memory for."""
 
 
 @dataclass
@@ -84,7 +87,8 @@ def plan_pull(registry: Registry, cache: HostCache, request: PullRequest) -> Pul
     verdict = check_trusted(signatures, digest, manifest, request.policy, request.accept_publisher)
     check_compatible(manifest, request.host, request.revision)
     admission = admit(registry, cache, manifest, request)
-    return PullPlan(name, digest, manifest, index, signatures, verdict, admission)
+    device = request.host.device
+    return PullPlan(name, digest, manifest, index, signatures, verdict, admission, device)
 
 
 def admit(
@@ -134,10 +138,8 @@ def weight_bytes(manifest: Manifest, device: str) -> int:
     total = 0
     for payload in manifest.payloads:
         for tensor in payload.tensors:
-            count = 1
-            for dim in tensor.shape:
-                count *= dim
-            total += count * (4 if device == "cpu" else DTYPE_SIZES[tensor.dtype])
+            itemsize = 4 if device == "cpu" else DTYPE_SIZES[tensor.dtype]
+            total += math.prod(tensor.shape) * itemsize
     return total
 
 
