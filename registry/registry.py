@@ -147,17 +147,10 @@ class Registry:
         self.store.require(digest)
         signatures.write_signature(self.store, digest, bundle)
         publisher = self.publisher(digest)
-        for name in refs.names(self.store):
-            if refs.read_record(self.store, name, digest) is not None:
-                refs.record_package(self.store, name, digest, publisher)
-                self.db.write(lambda s, n=name: self._set_publisher(s, n, digest, publisher))
+        names = self.db.write(lambda session: _set_publisher(session, digest, publisher))
+        for name in names:  # the index knows the names: no scan of every name's refs
+            refs.record_package(self.store, name, digest, publisher)
         return signed.claim.publisher
-
-    @staticmethod
-    def _set_publisher(session: Session, name: str, digest: Digest, publisher: str | None) -> None:
-        row = session.get(Publication, (name, str(digest)))
-        if row is not None:
-            row.publisher = publisher
 
     def signatures(self, digest: Digest) -> list[bytes]:
         """The package's stored signatures (bundle JSON bytes), unverified."""
@@ -308,6 +301,15 @@ class Registry:
             return len(records)
 
         return self.db.write(rebuild)
+
+
+def _set_publisher(session: Session, digest: Digest, publisher: str | None) -> list[str]:
+    """Show the publisher on every name the package is published under; return the names
+    (`reindex` rebuilds the same from the signature files)."""
+    rows = session.scalars(select(Publication).where(Publication.digest == str(digest))).all()
+    for row in rows:
+        row.publisher = publisher
+    return [row.name for row in rows]
 
 
 def _listings(session: Session, name: str | None, model: str | None) -> list[Listing]:
