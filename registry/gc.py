@@ -7,7 +7,7 @@ of a live build lease, checked again just before it goes; roots are read again e
 REREAD_ROOTS_S of the sweep. Deleting one blob file is atomic, so a collector killed at any
 point leaves a store whose every remaining blob is intact; the next one forgets the records of
 packages it had swept. Signatures of a package go with its index: once the index is swept,
-its `signatures/<hex>/` files are removed too.
+its `signatures/<hex>/` files and its `marks/<hex>` file are removed too (registry/marks.py).
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from flare.registry import refs, signatures
+from flare.registry import marks, refs, signatures
 from flare.registry.leases import drop_expired_leases, live_leases
 from flare.registry.registry import Registry
 from flare.store.digest import Digest
-from flare.store.package import referenced_blobs
 
 REREAD_ROOTS_S = 0.2
 
@@ -39,6 +38,8 @@ class GcReport:
     temp_files: list[str] = field(default_factory=list)
     signatures: list[str] = field(default_factory=list)
     """Signature files of swept packages, removed."""
+    marks: list[str] = field(default_factory=list)
+    """Marks files of swept packages, removed."""
 
 
 def roots(registry: Registry) -> tuple[set[Digest], float | None]:
@@ -59,15 +60,14 @@ def leased_blobs(registry: Registry) -> set[str]:
     return {Digest.parse(d).hex for lease in live_leases(registry.store) for d in lease.blobs}
 
 
-def mark(registry: Registry, packages: set[Digest]) -> set[str]:
+def mark(registry: Registry, packages: set[Digest], keep: bool) -> set[str]:
     """The hex digest of every blob the packages need, indexes included (missing packages
-    mark nothing); each index is verified against its digest before it is read."""
+    mark nothing), from their marks files or their verified indexes; `keep` writes the marks
+    files that were missing."""
     marked: set[str] = set()
     for digest in packages:
         if registry.store.has(digest):
-            marked.add(digest.hex)
-            index = registry.store.read_bytes(digest)
-            marked.update(referenced_blobs(index, f"package {digest.short()}"))
+            marked |= marks.package_blobs(registry.store, digest, keep)
     return marked
 
 
@@ -76,12 +76,12 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     started = time.time()
     report = GcReport(dry_run=dry_run)
     packages, build_start = roots(registry)
-    marked = mark(registry, packages) | leased_blobs(registry)
+    marked = mark(registry, packages, keep=not dry_run) | leased_blobs(registry)
     candidates = list(registry.store.iter_unmarked(marked))
     checked_at = time.monotonic()
     for hex_digest, key in candidates:
         if time.monotonic() - checked_at > REREAD_ROOTS_S:
-            packages, build_start = _reread(registry, packages, marked)
+            packages, build_start = _reread(registry, packages, marked, not dry_run)
             checked_at = time.monotonic()
         if hex_digest in marked:
             continue
@@ -100,15 +100,18 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     if not dry_run:
         report.forgotten = _forget_swept(registry, set(report.deleted))
         report.signatures = signatures.drop_orphans(registry.store)
+        report.marks = marks.drop_orphans(registry.store)
         report.temp_files = registry.store.sweep_temps()
         drop_expired_leases(registry.store)
     return report
 
 
-def _reread(registry: Registry, packages: set[Digest], marked: set[str]) -> tuple[set, float]:
+def _reread(
+    registry: Registry, packages: set[Digest], marked: set[str], keep: bool
+) -> tuple[set, float]:
     """Roots added since the mark (a new tag, a new lease) protect their blobs too."""
     fresh, build_start = roots(registry)
-    marked.update(mark(registry, fresh - packages) | leased_blobs(registry))
+    marked.update(mark(registry, fresh - packages, keep) | leased_blobs(registry))
     return packages | fresh, build_start  # type: ignore[return-value]
 
 

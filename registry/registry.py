@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from flare.registry import refs, signatures
+from flare.registry import marks, refs, signatures
 from flare.registry.database import IndexDB
 from flare.registry.models import Blob, Package, Publication, Tag
 from flare.sign.errors import UntrustedError
@@ -95,6 +95,8 @@ class Registry:
         if tag is not None:
             refs.tag_package(self.store, name, tag, digest)
         index_size = self.store.require(digest).stored_size
+        if self.store.backend.stat(marks.marks_key(digest)) is None:
+            marks.write_marks(self.store, digest, {digest.hex, *(d.hex for d in manifest.blobs())})
         self.db.write(lambda s: self._index_package(s, record, manifest, index_size))
         if tag is not None:
             self.db.write(lambda s: s.merge(Tag(name=name, tag=tag, digest=str(digest))))

@@ -245,15 +245,16 @@ class BlobStore:
     def iter_unmarked(self, marked: set[str]) -> Iterator[tuple[str, str]]:
         """(hex digest, key) of every stored blob whose digest is not in `marked`.
 
-        gc's sweep: a name that ends in a marked digest is passed over without parsing it (a
-        stray file named like a live blob is kept, which is safe); only the rest are parsed.
+        gc's sweep: each fan-out folder's names are listed and the marked ones dropped by one
+        set difference, so a live blob costs no Python work at all (a stray file named like a
+        live blob is kept, which is safe); only the rest are parsed.
         """
-        for key in self.backend.iter_names(BLOB_DIR):
-            if key[-HEX_LENGTH:] in marked:
-                continue
-            parsed = blob_name(key)
-            if parsed is not None and parsed[0] not in marked:
-                yield parsed[0], key
+        for shard in self.backend.list_dir(BLOB_DIR):
+            folder = f"{BLOB_DIR}/{shard}"
+            for name in set(self.backend.list_dir(folder)).difference(marked):
+                parsed = blob_name(f"{folder}/{name}")
+                if parsed is not None and parsed[0] not in marked:
+                    yield parsed[0], f"{folder}/{name}"
 
     def iter_blobs(self, stray: list[str] | None = None) -> Iterator[BlobInfo]:
         """Every stored blob; files that are not blobs are appended to `stray` if given."""

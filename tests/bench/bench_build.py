@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import signal
 import statistics
 import subprocess
@@ -39,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import log, remove, run, scratch, sync, timed
+from common import flare_command, flare_env, log, remove, run, scratch, sync, timed
 
 from flare.build.tiny import make_synthetic_llama
 from flare.registry.refs import read_manifest, resolve_package
@@ -151,26 +150,6 @@ def fmt_s(values: list[float]) -> str:
 # -- running flare ------------------------------------------------------------------------
 
 
-def flare_command() -> list[str]:
-    """The installed `flare` script beside this Python, else `python -m flare`."""
-    script = shutil.which("flare", path=str(Path(sys.executable).parent))
-    return [script] if script else [sys.executable, "-m", "flare"]
-
-
-def flare_env(home: Path, config_home: Path, crash_at: str | None = None) -> dict[str, str]:
-    """This environment with every FLARE_ setting dropped but FLARE_HOME (and a crash point).
-
-    XDG_CONFIG_HOME points at an empty folder so that no user config file redirects the
-    staging folder or the registry.
-    """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
-    env["FLARE_HOME"] = str(home)
-    env["XDG_CONFIG_HOME"] = str(config_home)
-    if crash_at is not None:
-        env["FLARE_CRASH_AT"] = crash_at
-    return env
-
-
 def flare_build(
     checkpoint: Path, home: Path, config_home: Path, crash_at: str | None = None
 ) -> BuildRun:
@@ -179,7 +158,7 @@ def flare_build(
     With a crash point the process is expected to die of SIGKILL; anything else fails.
     """
     command = [*flare_command(), "build", str(checkpoint), "--name", PACKAGE, "--json"]
-    env = flare_env(home, config_home, crash_at)
+    env = flare_env(home, config_home, crash_at=crash_at)
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start

@@ -57,7 +57,7 @@ from typing import Any
 from unittest import mock
 
 from blake3 import blake3
-from common import scratch, timed
+from common import flare_command, flare_env, scratch, timed
 
 from flare.build.tiny import make_synthetic_llama
 from flare.registry import gc, refs
@@ -211,23 +211,6 @@ def shell(command: str) -> Callable[[], object]:
 def process(command: list[str], env: dict[str, str] | None = None) -> Callable[[], object]:
     """A process run with its output discarded, failing loudly."""
     return lambda: subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=env)
-
-
-def flare_command() -> list[str]:
-    """The installed `flare` script beside this Python, else `python -m flare`."""
-    script = shutil.which("flare", path=str(Path(sys.executable).parent))
-    return [script] if script else [sys.executable, "-m", "flare"]
-
-
-def flare_env(home: Path, registry: Path | None = None) -> dict[str, str]:
-    """This environment without FLARE_ settings but FLARE_HOME (and FLARE_REGISTRY if given);
-    XDG_CONFIG_HOME points at an empty folder so that no user config file applies."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
-    env["FLARE_HOME"] = str(home)
-    env["XDG_CONFIG_HOME"] = str(home / "config")
-    if registry is not None:
-        env["FLARE_REGISTRY"] = str(registry)
-    return env
 
 
 def open_registry(location: Path, home: Path) -> Registry:
@@ -424,7 +407,7 @@ def bench_ls(workdir: Path, count: int, repeat: int) -> Section:
     log(f"publishing {count} packages into {location}")
     populate_packages(registry, count)
     section.notes += check_ls_registry(registry, count)
-    env = flare_env(home, location)
+    env = flare_env(home, home / "config", registry=str(location))
     in_process = Timing("Registry.listings() in-process")
     command = Timing("flare registry ls --json > /dev/null")
     raw = Timing("floor: the listing's 3 SQL queries via sqlite3")
@@ -670,7 +653,7 @@ def build_big(workdir: Path, size: int) -> tuple[Registry, list[Path]]:
     make_synthetic_llama(checkpoint, size)
     log("building it: flare build --name big")
     command = [*flare_command(), "build", str(checkpoint), "--name", BIG, "--json"]
-    subprocess.run(command, check=True, capture_output=True, env=flare_env(home))
+    subprocess.run(command, check=True, capture_output=True, env=flare_env(home, home / "config"))
     shutil.rmtree(checkpoint)
     os.sync()
     registry = open_registry(home / "registry", home)

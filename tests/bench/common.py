@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import compileall
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -61,3 +63,28 @@ def scratch(parent: Path | None, prefix: str) -> Iterator[Path]:
             log(f"left {workdir} in place: {mounted[0]} is still mounted")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def flare_command() -> list[str]:
+    """The installed `flare` script beside this Python (else `python -m flare`), with flare's
+    modules compiled to bytecode first, as `pip install` leaves them. An editable checkout
+    run under PYTHONDONTWRITEBYTECODE (set on this VM) would otherwise compile every flare
+    module from source in every timed process: about 40 ms no installed flare pays."""
+    import flare
+
+    root = Path(flare.__file__).parent
+    compileall.compile_dir(root, quiet=1, rx=re.compile(r"/(\.venv|\.git|tests)/"))
+    script = shutil.which("flare", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "flare"]
+
+
+def flare_env(home: Path, config_home: Path, **settings: str | None) -> dict[str, str]:
+    """This environment with every FLARE_ setting dropped but FLARE_HOME and the given ones
+    (`registry="..."` sets FLARE_REGISTRY; None sets nothing). XDG_CONFIG_HOME points at
+    an empty folder so that no user config file redirects the staging folder or the
+    registry."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+    env["FLARE_HOME"] = str(home)
+    env["XDG_CONFIG_HOME"] = str(config_home)
+    env.update({f"FLARE_{key.upper()}": value for key, value in settings.items() if value})
+    return env
