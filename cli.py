@@ -36,8 +36,6 @@ from flare.config import (
 )
 from flare.registry.database import UnusableIndexError
 from flare.registry.registry import Registry, default_database
-from flare.sign import keys
-from flare.sign import policy as trust
 from flare.sign.errors import UntrustedError
 from flare.store import BlobStore, Digest, VerifyReport
 from flare.store.digest import parse_prefix
@@ -53,6 +51,8 @@ from flare.store.hashing import Progress as Advance
 if TYPE_CHECKING:  # imported where used: a listing command should not load what builds need
     from flare.build.check import CheckResult
     from flare.build.pipeline import BuildResult, PhaseReport, Signer
+    from flare.sign import keys
+    from flare.sign import policy as trust
     from flare.sign.verify import Verdict
     from flare.store.package import Manifest
 
@@ -496,6 +496,9 @@ def key_signer(key: keys.PrivateKey, publisher: str) -> Signer:
 
 def configured_signer(config: Config) -> Signer | None:
     """Sign builds with this host's signing key, when one is configured."""
+    from flare.sign import keys
+    from flare.sign import policy as trust
+
     path = config["signing.key"]
     if path is None:
         return None
@@ -507,6 +510,9 @@ def configured_signer(config: Config) -> Signer | None:
 def demo_signer(config: Config) -> Signer:
     """A development key under FLARE_HOME, made and trusted on first use (the user's own
     signing key, if any, is neither used nor touched)."""
+    from flare.sign import keys
+    from flare.sign import policy as trust
+
     path = config.home / "demo" / "signing-key.pem"
     if not path.exists():
         keys.write_private_key(keys.generate_key(), path)
@@ -525,8 +531,8 @@ def demo_signer(config: Config) -> Signer:
 def key_generate(
     publisher: Annotated[str, typer.Option(help="The publisher name this key signs as.")],
     key_type: Annotated[
-        keys.KeyType, typer.Option("--type", help="Key algorithm.")
-    ] = keys.KeyType.ED25519,
+        str, typer.Option("--type", help="Key algorithm: ed25519 or ecdsa-p256.")
+    ] = "ed25519",
     out_file: Annotated[
         Path | None,
         typer.Option("--out", help="Where to write the private key (default: keys/NAME.pem)."),
@@ -538,9 +544,12 @@ def key_generate(
     as_json: JsonOption = False,
 ) -> None:
     """Make a signing key (mode 600); by default sign builds with it and trust it here."""
+    from flare.sign import keys
+    from flare.sign import policy as trust
+
     config = load_config()
     path = (out_file or config.file.parent / "keys" / f"{publisher}.pem").absolute()
-    key = keys.generate_key(key_type)
+    key = keys.generate_key(keys.parse_key_type(key_type))
     pem = keys.public_pem(key)
     policy = trust.load_policy(config)
     if not no_default:
@@ -552,7 +561,7 @@ def key_generate(
         trust.save_policy(policy, config["trust.file"])
     data = {
         "publisher": publisher,
-        "type": key_type.value,
+        "type": keys.key_type_of(key).value,
         "private_key": str(path),
         "fingerprint": keys.fingerprint(key),
         "public_key": pem,
@@ -586,6 +595,8 @@ def key_ls(as_json: JsonOption = False) -> None:
 
 
 def _key_row(path: Path, default: bool) -> dict[str, Any]:
+    from flare.sign import keys
+
     key = keys.load_private_key(path)
     return {
         "path": str(path),
@@ -614,6 +625,9 @@ def sign_command(
     as_json: JsonOption = False,
 ) -> None:
     """Sign a package and store the signature beside it in the registry."""
+    from flare.sign import keys
+    from flare.sign import policy as trust
+
     config = load_config()
     target = open_registry(registry)
     name, digest, manifest = target.manifest(ref)
@@ -664,6 +678,8 @@ def verify_command(
 
     Exit 11 if unsigned or untrusted, 6 if a blob is corrupt, 3 if one is missing.
     """
+    from flare.sign import policy as trust
+
     target = open_registry(registry)
     name, digest, manifest = target.manifest(ref)
     policy = trust.load_policy(load_config())
@@ -726,6 +742,8 @@ def pull_into_cache(
     """Admission (signature, compatibility, disk, memory), then the missing blobs, with a bar.
 
     Returns the source registry, the host cache and the pull report."""
+    from flare.sign import policy as trust
+
     _require_serve_extra()
     from flare.serve.cache import HostCache
     from flare.serve.compat import choose_device, detect_toolchain
@@ -898,6 +916,8 @@ def trust_add(
     as_json: JsonOption = False,
 ) -> None:
     """Trust a publisher: by public key, or for keyless Sigstore by identity and issuer."""
+    from flare.sign import policy as trust
+
     config = load_config()
     policy = trust.load_policy(config)
     if key_file is not None and identity is None:
@@ -925,6 +945,8 @@ def _read_text(path: Path) -> str:
 @trust_app.command("ls")
 def trust_ls(as_json: JsonOption = False) -> None:
     """Trusted publishers, and revoked keys."""
+    from flare.sign import policy as trust
+
     policy = trust.load_policy(load_config())
     rows = [_trust_row(p, policy) for p in policy.publishers]
     if as_json:
@@ -956,6 +978,8 @@ def _trust_row(publisher: trust.TrustedPublisher, policy: trust.TrustPolicy) -> 
 @trust_app.command("rm")
 def trust_rm(name: str, as_json: JsonOption = False) -> None:
     """Stop trusting a publisher (its key is not revoked: see flare trust revoke)."""
+    from flare.sign import policy as trust
+
     config = load_config()
     trust.save_policy(trust.remove(trust.load_policy(config), name), config["trust.file"])
     _done(as_json, {"removed": name}, f"no longer trusting {name}")
@@ -967,6 +991,8 @@ def trust_revoke(
     as_json: JsonOption = False,
 ) -> None:
     """Refuse a key from now on, even with --dangerously-accept-publisher."""
+    from flare.sign import policy as trust
+
     config = load_config()
     trust.save_policy(trust.revoke(trust.load_policy(config), fingerprint), config["trust.file"])
     _done(as_json, {"revoked": fingerprint}, f"revoked {fingerprint}")
@@ -1327,6 +1353,8 @@ def registry_verify(
 
 def _refused_packages(registry: Registry, ref: str | None) -> list[str]:
     """One line per package whose signatures this host's trust policy refuses."""
+    from flare.sign import policy as trust
+
     policy = trust.load_policy(load_config())
     refused = []
     for digest in registry.packages(ref):

@@ -12,10 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
-from sqlalchemy import create_engine, event, inspect, text
+from sqlalchemy import Connection, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
 
 from flare.store.errors import FlareError
 
@@ -25,7 +24,7 @@ WRITE_RETRIES = 8
 NETWORK_FILESYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "fuse.sshfs", "ceph"}
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 MIGRATION_LOCK_KEY = 0x666C617265  # "flare": the PostgreSQL advisory lock for migrations
-SCHEMA_HEAD = "0001"
+SCHEMA_HEAD = "0002"
 """The newest revision in migrations/versions (a test keeps the two equal). An index already
 at it opens without loading alembic, which keeps every command's start-up short."""
 
@@ -102,7 +101,6 @@ class IndexDB:
             ) from exc
         if self.sqlite_path is not None:
             self._configure_sqlite()
-        self.sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def _configure_sqlite(self) -> None:
         assert self.sqlite_path is not None
@@ -174,22 +172,22 @@ class IndexDB:
 
     # -- use --------------------------------------------------------------------------------
 
-    def read(self, action: Callable[[Session], T]) -> T:
+    def read(self, action: Callable[[Connection], T]) -> T:
         """Run a query, turning an unreadable DB into an error that says what to do."""
         try:
-            with self.sessions() as session:
-                return action(session)
+            with self.engine.connect() as connection:
+                return action(connection)
         except DatabaseError as exc:
             if self._is_corrupt(exc):
                 raise self._corrupt(exc) from exc
             raise
 
-    def write(self, action: Callable[[Session], T]) -> T:
+    def write(self, action: Callable[[Connection], T]) -> T:
         """Run a change in one transaction, retried while another writer holds the lock."""
         for attempt in range(WRITE_RETRIES):
             try:
-                with self.sessions.begin() as session:
-                    return action(session)
+                with self.engine.begin() as connection:
+                    return action(connection)
             except DatabaseError as exc:
                 if self._is_corrupt(exc):
                     raise self._corrupt(exc) from exc

@@ -1,65 +1,74 @@
-"""The index DB's tables. Everything here can be rebuilt from the store (`reindex`)."""
+"""The index DB's tables. Everything here can be rebuilt from the store (`reindex`).
+
+SQLAlchemy Core tables, not ORM classes: the registry reads and writes rows, never object
+graphs, and importing the ORM costs every command about 50 ms of start-up.
+"""
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, ForeignKey, Index, Integer, String
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    false,
+)
 
 DIGEST = String(71)
 """`blake3:` and 64 hex digits."""
 
+metadata = MetaData()
 
-class Base(DeclarativeBase):
-    pass
+# A package index: what the manifest says, once per digest.
+packages = Table(
+    "packages",
+    metadata,
+    Column("digest", DIGEST, primary_key=True),
+    Column("model_id", String(256), nullable=False),
+    Column("revision", String(128)),
+    Column("recipe", String(64), nullable=False),
+    Column("ranks", Integer, nullable=False),
+    Column("size", BigInteger, nullable=False),  # bytes of the index and every blob it names
+)
 
+# A blob a package needs (its index included), with its size.
+package_blobs = Table(
+    "package_blobs",
+    metadata,
+    Column(
+        "package",
+        DIGEST,
+        ForeignKey("packages.digest", ondelete="CASCADE"),
+        primary_key=True,
+    ),
+    Column("blob", DIGEST, primary_key=True),
+    Column("size", BigInteger, nullable=False),
+    # Covering: a listing's unique sizes are one pass over it, in blob order, with no row reads.
+    Index("ix_package_blobs_blob_package_size", "blob", "package", "size"),
+)
 
-class Package(Base):
-    """A package index: what the manifest says, once per digest."""
+# A package published under a name.
+publications = Table(
+    "publications",
+    metadata,
+    Column("name", String(128), primary_key=True),
+    Column("digest", DIGEST, ForeignKey("packages.digest", ondelete="CASCADE"), primary_key=True),
+    Column("created", String(32), nullable=False),
+    Column("publisher", String(256)),
+    Column("pinned", Boolean, nullable=False, server_default=false()),
+    Index("ix_publications_digest", "digest"),
+)
 
-    __tablename__ = "packages"
-
-    digest: Mapped[str] = mapped_column(DIGEST, primary_key=True)
-    model_id: Mapped[str] = mapped_column(String(256))
-    revision: Mapped[str | None] = mapped_column(String(128))
-    recipe: Mapped[str] = mapped_column(String(64))
-    ranks: Mapped[int] = mapped_column(Integer)
-    size: Mapped[int] = mapped_column(BigInteger)
-    """Bytes of the index and every blob it names."""
-
-
-class Blob(Base):
-    """A blob a package needs (its index included), with its size."""
-
-    __tablename__ = "package_blobs"
-
-    package: Mapped[str] = mapped_column(
-        DIGEST, ForeignKey("packages.digest", ondelete="CASCADE"), primary_key=True
-    )
-    blob: Mapped[str] = mapped_column(DIGEST, primary_key=True, index=True)
-    size: Mapped[int] = mapped_column(BigInteger)
-
-
-class Publication(Base):
-    """A package published under a name."""
-
-    __tablename__ = "publications"
-
-    name: Mapped[str] = mapped_column(String(128), primary_key=True)
-    digest: Mapped[str] = mapped_column(
-        DIGEST, ForeignKey("packages.digest", ondelete="CASCADE"), primary_key=True
-    )
-    created: Mapped[str] = mapped_column(String(32))
-    publisher: Mapped[str | None] = mapped_column(String(256))
-    pinned: Mapped[bool] = mapped_column(default=False)
-
-    __table_args__ = (Index("ix_publications_digest", "digest"),)
-
-
-class Tag(Base):
-    """NAME:TAG → digest."""
-
-    __tablename__ = "tags"
-
-    name: Mapped[str] = mapped_column(String(128), primary_key=True)
-    tag: Mapped[str] = mapped_column(String(128), primary_key=True)
-    digest: Mapped[str] = mapped_column(DIGEST, index=True)
+# NAME:TAG -> digest.
+tags = Table(
+    "tags",
+    metadata,
+    Column("name", String(128), primary_key=True),
+    Column("tag", String(128), primary_key=True),
+    Column("digest", DIGEST, nullable=False, index=True),
+)

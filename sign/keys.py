@@ -33,6 +33,15 @@ class UnknownKeyTypeError(InvalidInputError):
     """A well-formed key of a type flare does not sign with (RSA, another curve, ...)."""
 
 
+def parse_key_type(text: str) -> KeyType:
+    """The key type a user named, or an error that lists the ones flare signs with."""
+    try:
+        return KeyType(text)
+    except ValueError:
+        choices = ", ".join(KeyType)
+        raise InvalidInputError(f"unknown key type {text!r}", f"use one of: {choices}") from None
+
+
 def generate_key(key_type: KeyType = KeyType.ED25519) -> PrivateKey:
     if key_type is KeyType.ECDSA_P256:
         return ec.generate_private_key(ec.SECP256R1())

@@ -365,13 +365,9 @@ def check_ls_registry(registry: Registry, count: int) -> list[str]:
             f"published {count} ({len(before)} listed before; same: {before == after})"
         )
     rows = registry.db.read(
-        lambda s: (
-            s.connection()
-            .exec_driver_sql(
-                "SELECT (SELECT count(*) FROM package_blobs), (SELECT count(*) FROM tags)"
-            )
-            .one()
-        )
+        lambda c: c.exec_driver_sql(
+            "SELECT (SELECT count(*) FROM package_blobs), (SELECT count(*) FROM tags)"
+        ).one()
     )
     return [
         f"{count} packages under {count // VERSIONS + (count % VERSIONS > 0)} names, "
