@@ -221,3 +221,60 @@ def test_gc_forgets_records_a_killed_gc_left_behind(
     assert f"alpha@{old}" in report.forgotten
     assert registry.verify().ok
     assert all(r.digest != str(old) for r in registry.listings())
+
+
+def test_gc_reads_marks_files_and_never_trusts_a_bad_one(
+    registry: Registry, sources: Path, tmp_path: Path
+) -> None:
+    from flare.registry import marks
+
+    made = fill(registry, sources, tmp_path)
+    a: Digest = made["a"]  # type: ignore[assignment]
+    needed = {a.hex, *(d.hex for d in refs.read_manifest(registry.store, a).blobs())}
+    path = registry.store.backend.local_path(marks.marks_key(a))
+    assert path is not None and marks.decode_marks(path.read_bytes()) == needed  # by publish
+    # A marks file that lost a line, or whose checksum was recomputed without the index: the
+    # collector reads the index instead and keeps every blob.
+    lines = path.read_bytes().splitlines(keepends=True)
+    torn = b"".join(lines[1:])
+    forged = marks.encode_marks(needed - {a.hex, next(iter(needed - {a.hex}))})
+    for bad in (torn, forged, b""):
+        path.write_bytes(bad)
+        assert collect(registry, grace_s=0, dry_run=True).deleted == []
+        assert path.read_bytes() == bad  # a dry run writes nothing, not even a cache
+        assert collect(registry, grace_s=0).deleted == []
+        assert marks.decode_marks(path.read_bytes()) == needed  # rebuilt from the index
+    assert registry.verify("alpha:latest").ok
+
+
+def test_gc_removes_the_marks_of_swept_packages(
+    registry: Registry, sources: Path, tmp_path: Path
+) -> None:
+    from flare.registry import marks
+
+    made = fill(registry, sources, tmp_path)
+    old: Digest = made["old"]  # type: ignore[assignment]
+    registry.remove("alpha:old")
+    report = collect(registry, grace_s=0)
+    assert report.marks == [marks.marks_key(old)]
+    assert registry.store.backend.stat(marks.marks_key(old)) is None
+    assert registry.store.backend.stat(marks.marks_key(made["a"])) is not None  # type: ignore[arg-type]
+
+
+def test_an_index_db_at_the_first_schema_is_upgraded_on_open(
+    registry: Registry, sources: Path, tmp_path: Path
+) -> None:
+    from alembic import command
+
+    from flare.registry.database import SCHEMA_HEAD, alembic_config
+
+    fill(registry, sources, tmp_path)
+    before = registry.listings()
+    with registry.db.engine.begin() as connection:
+        config = alembic_config()
+        config.attributes["connection"] = connection
+        command.downgrade(config, "0001")
+    reopened = Registry(registry.location, registry.db.url)
+    assert reopened.db.migrate() == SCHEMA_HEAD
+    assert reopened.listings() == before
+    reopened.db.dispose()
