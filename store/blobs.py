@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -47,8 +48,7 @@ from flare.store.hashing import (
 )
 
 BLOB_DIR = "blobs/blake3"
-_HEX = frozenset("0123456789abcdef")
-_ZSTD_SUFFIX = Encoding.ZSTD.suffix
+_BLOB_FILE = re.compile(rf"([0-9a-f]{{{HEX_LENGTH}}})({re.escape(Encoding.ZSTD.suffix)})?")
 QUARANTINE_DIR = "quarantine"
 COPY_CHUNK = 16 << 20
 LARGE_BLOB = 64 << 20
@@ -118,12 +118,16 @@ def blob_name(key: str) -> tuple[str, Encoding] | None:
     parts = key.split("/")
     if len(parts) != 4 or parts[0] != "blobs" or parts[1] != "blake3":
         return None
-    name = parts[3]
-    encoding = Encoding.ZSTD if name.endswith(_ZSTD_SUFFIX) else Encoding.PLAIN
-    hex_part = name[:HEX_LENGTH]
-    if len(name) != HEX_LENGTH + len(encoding.suffix) or parts[2] != hex_part[:2]:
+    return blob_file(parts[2], parts[3])
+
+
+def blob_file(folder: str, name: str) -> tuple[str, Encoding] | None:
+    """The hex digest and encoding of a file `name` in the fan-out folder `folder`, or None
+    for a stray file (one regex: gc's sweep parses every unreachable blob's name)."""
+    match = _BLOB_FILE.fullmatch(name)
+    if match is None or not match[1].startswith(folder) or len(folder) != 2:
         return None
-    return (hex_part, encoding) if _HEX.issuperset(hex_part) else None
+    return match[1], Encoding.ZSTD if match[2] else Encoding.PLAIN
 
 
 def copy_hashing(
@@ -245,16 +249,15 @@ class BlobStore:
     def iter_unmarked(self, marked: set[str]) -> Iterator[tuple[str, str]]:
         """(hex digest, key) of every stored blob whose digest is not in `marked`.
 
-        gc's sweep: each fan-out folder's names are listed and the marked ones dropped by one
-        set difference, so a live blob costs no Python work at all (a stray file named like a
-        live blob is kept, which is safe); only the rest are parsed.
+        gc's sweep: each fan-out folder's names are dropped by one set difference with the
+        marked digests, so a live blob costs no Python work at all (a stray file named like
+        a live blob is kept, which is safe); only the rest are parsed.
         """
-        for shard in self.backend.list_dir(BLOB_DIR):
-            folder = f"{BLOB_DIR}/{shard}"
-            for name in set(self.backend.list_dir(folder)).difference(marked):
-                parsed = blob_name(f"{folder}/{name}")
+        for folder in self.backend.list_dir(BLOB_DIR):
+            for name in self.backend.names(f"{BLOB_DIR}/{folder}").difference(marked):
+                parsed = blob_file(folder, name)
                 if parsed is not None and parsed[0] not in marked:
-                    yield parsed[0], f"{folder}/{name}"
+                    yield parsed[0], f"{BLOB_DIR}/{folder}/{name}"
 
     def iter_blobs(self, stray: list[str] | None = None) -> Iterator[BlobInfo]:
         """Every stored blob; files that are not blobs are appended to `stray` if given."""

@@ -310,7 +310,10 @@ def test_key_generate_signs_builds_and_trusts_them(
     config = Path(flare_env["XDG_CONFIG_HOME"]) / "flare" / "config.toml"
     config.parent.mkdir(parents=True)
     config.write_text("# mine\n[store]\nzstd_level = 5\n")
-    made = run_flare("key", "generate", "--publisher", "alice", "--json")
+    rsa = run_flare("key", "generate", "--publisher", "alice", "--type", "rsa")
+    assert rsa.returncode == 4 and "unknown key type 'rsa'" in one_line_error(rsa)
+    assert config.read_text() == "# mine\n[store]\nzstd_level = 5\n"
+    made = run_flare("key", "generate", "--publisher", "alice", "--json", "--type", "ed25519")
     assert made.returncode == 0, made.stderr
     key = json.loads(made.stdout)
     assert stat.S_IMODE(os.stat(key["private_key"]).st_mode) == 0o600

@@ -89,6 +89,10 @@ class Backend(Protocol):
     def list_dir(self, prefix: str) -> list[str]:
         """The names directly under a folder (files and folders), sorted; [] if it is absent."""
 
+    def names(self, prefix: str) -> set[str]:
+        """The names directly under a folder, dot-files included, as a set (empty if absent):
+        for callers that compare them with a set of their own, such as gc's sweep."""
+
     def stat(self, key: str) -> tuple[int, float] | None:
         """The file's size and modification time, or None when there is none."""
 

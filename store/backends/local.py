@@ -381,6 +381,12 @@ class LocalBackend:
         except (FileNotFoundError, NotADirectoryError):
             return []
 
+    def names(self, prefix: str) -> set[str]:
+        try:
+            return set(os.listdir(self._path(prefix)))
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+
     def stat(self, key: str) -> tuple[int, float] | None:
         try:
             st = os.stat(f"{self.root}/{key}")

@@ -141,6 +141,13 @@ class FsspecBackend:
             return []
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
+    def names(self, prefix: str) -> set[str]:
+        try:
+            entries = self.fs.ls(self._path(prefix), detail=False)
+        except FileNotFoundError:
+            return set()
+        return {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
+
     def stat(self, key: str) -> tuple[int, float] | None:
         try:
             info = self.fs.info(self._path(key))
