@@ -496,12 +496,12 @@ def key_signer(key: keys.PrivateKey, publisher: str) -> Signer:
 
 def configured_signer(config: Config) -> Signer | None:
     """Sign builds with this host's signing key, when one is configured."""
-    from flare.sign import keys
-    from flare.sign import policy as trust
-
     path = config["signing.key"]
     if path is None:
         return None
+    from flare.sign import keys
+    from flare.sign import policy as trust
+
     key = keys.load_private_key(path)
     policy = trust.load_policy(config)
     return key_signer(key, trust.publisher_for(policy, key, config["signing.publisher"]))

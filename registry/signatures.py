@@ -43,6 +43,8 @@ def read_signatures(store: BlobStore, digest: Digest) -> list[bytes]:
 
 def claimed_publisher(signatures: list[bytes]) -> str | None:
     """The publishers the signatures name, for listings (checked only by `flare verify`)."""
+    if not signatures:
+        return None
     from flare.sign.envelope import read_bundle  # cryptography: only when there are some
 
     names = set()
