@@ -36,6 +36,7 @@ from flare.config import (
 )
 from flare.registry.database import UnusableIndexError
 from flare.registry.registry import Registry, default_database
+from flare.sign import policy as trust
 from flare.sign.errors import UntrustedError
 from flare.store import BlobStore, Digest, VerifyReport
 from flare.store.digest import parse_prefix
@@ -52,7 +53,6 @@ if TYPE_CHECKING:  # imported where used: a listing command should not load what
     from flare.build.check import CheckResult
     from flare.build.pipeline import BuildResult, PhaseReport, Signer
     from flare.sign import keys
-    from flare.sign import policy as trust
     from flare.sign.verify import Verdict
     from flare.store.package import Manifest
 
@@ -500,7 +500,6 @@ def configured_signer(config: Config) -> Signer | None:
     if path is None:
         return None
     from flare.sign import keys
-    from flare.sign import policy as trust
 
     key = keys.load_private_key(path)
     policy = trust.load_policy(config)
@@ -511,7 +510,6 @@ def demo_signer(config: Config) -> Signer:
     """A development key under FLARE_HOME, made and trusted on first use (the user's own
     signing key, if any, is neither used nor touched)."""
     from flare.sign import keys
-    from flare.sign import policy as trust
 
     path = config.home / "demo" / "signing-key.pem"
     if not path.exists():
@@ -545,7 +543,6 @@ def key_generate(
 ) -> None:
     """Make a signing key (mode 600); by default sign builds with it and trust it here."""
     from flare.sign import keys
-    from flare.sign import policy as trust
 
     config = load_config()
     path = (out_file or config.file.parent / "keys" / f"{publisher}.pem").absolute()
@@ -626,7 +623,6 @@ def sign_command(
 ) -> None:
     """Sign a package and store the signature beside it in the registry."""
     from flare.sign import keys
-    from flare.sign import policy as trust
 
     config = load_config()
     target = open_registry(registry)
@@ -678,8 +674,6 @@ def verify_command(
 
     Exit 11 if unsigned or untrusted, 6 if a blob is corrupt, 3 if one is missing.
     """
-    from flare.sign import policy as trust
-
     target = open_registry(registry)
     name, digest, manifest = target.manifest(ref)
     policy = trust.load_policy(load_config())
@@ -742,8 +736,6 @@ def pull_into_cache(
     """Admission (signature, compatibility, disk, memory), then the missing blobs, with a bar.
 
     Returns the source registry, the host cache and the pull report."""
-    from flare.sign import policy as trust
-
     _require_serve_extra()
     from flare.serve.cache import HostCache
     from flare.serve.compat import choose_device, detect_toolchain
@@ -916,8 +908,6 @@ def trust_add(
     as_json: JsonOption = False,
 ) -> None:
     """Trust a publisher: by public key, or for keyless Sigstore by identity and issuer."""
-    from flare.sign import policy as trust
-
     config = load_config()
     policy = trust.load_policy(config)
     if key_file is not None and identity is None:
@@ -945,8 +935,6 @@ def _read_text(path: Path) -> str:
 @trust_app.command("ls")
 def trust_ls(as_json: JsonOption = False) -> None:
     """Trusted publishers, and revoked keys."""
-    from flare.sign import policy as trust
-
     policy = trust.load_policy(load_config())
     rows = [_trust_row(p, policy) for p in policy.publishers]
     if as_json:
@@ -978,8 +966,6 @@ def _trust_row(publisher: trust.TrustedPublisher, policy: trust.TrustPolicy) -> 
 @trust_app.command("rm")
 def trust_rm(name: str, as_json: JsonOption = False) -> None:
     """Stop trusting a publisher (its key is not revoked: see flare trust revoke)."""
-    from flare.sign import policy as trust
-
     config = load_config()
     trust.save_policy(trust.remove(trust.load_policy(config), name), config["trust.file"])
     _done(as_json, {"removed": name}, f"no longer trusting {name}")
@@ -991,8 +977,6 @@ def trust_revoke(
     as_json: JsonOption = False,
 ) -> None:
     """Refuse a key from now on, even with --dangerously-accept-publisher."""
-    from flare.sign import policy as trust
-
     config = load_config()
     trust.save_policy(trust.revoke(trust.load_policy(config), fingerprint), config["trust.file"])
     _done(as_json, {"revoked": fingerprint}, f"revoked {fingerprint}")
@@ -1353,8 +1337,6 @@ def registry_verify(
 
 def _refused_packages(registry: Registry, ref: str | None) -> list[str]:
     """One line per package whose signatures this host's trust policy refuses."""
-    from flare.sign import policy as trust
-
     policy = trust.load_policy(load_config())
     refused = []
     for digest in registry.packages(ref):

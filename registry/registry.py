@@ -96,7 +96,7 @@ class Registry:
         index_size = self.store.require(digest).stored_size
         if self.store.backend.stat(marks.marks_key(digest)) is None:
             marks.write_marks(self.store, digest, {digest.hex, *(d.hex for d in manifest.blobs())})
-        self.db.write(lambda s: self._index_package(s, record, manifest, index_size))
+        self.db.write(lambda c: self._index_package(c, record, manifest, index_size))
         if tag is not None:
             row = {"name": name, "tag": tag, "digest": str(digest)}
             self.db.write(lambda c: _put(c, tags, row))
@@ -202,9 +202,9 @@ class Registry:
 
     def forget(self, name: str, digest: Digest) -> list[str]:
         """Drop NAME's record of a package and its tags, in the store and the index."""
-        tags = refs.forget_package(self.store, name, digest)
-        self.db.write(lambda s: self._forget(s, name, digest))
-        return tags
+        dropped_tags = refs.forget_package(self.store, name, digest)
+        self.db.write(lambda c: self._forget(c, name, digest))
+        return dropped_tags
 
     def _forget(self, connection: Connection, name: str, digest: Digest) -> None:
         key = str(digest)
@@ -249,7 +249,7 @@ class Registry:
 
     def listings(self, name: str | None = None, model: str | None = None) -> list[Listing]:
         """Every published package, newest first, with the sizes and refs users ask about."""
-        return self.db.read(lambda s: _listings(s, name, model))
+        return self.db.read(lambda c: _listings(c, name, model))
 
     def usage(self) -> dict[str, int]:
         """Bytes the packages take: in all, shared by several, held by one only."""

@@ -23,12 +23,14 @@ import json
 import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from flare.sign.keys import PublicKey, fingerprint, load_public_key
 from flare.store.backends.local import write_file_atomic
 from flare.store.errors import FlareError, InvalidInputError, NotFoundError
 from flare.store.names import check_name
+
+if TYPE_CHECKING:  # cryptography: loaded by the functions that read keys, not by importers
+    from flare.sign.keys import PublicKey
 
 
 class Settings(Protocol):
@@ -49,6 +51,8 @@ class TrustedPublisher:
     issuer: str | None = None
 
     def key(self) -> PublicKey:
+        from flare.sign.keys import load_public_key
+
         return load_public_key(self.public_key or "", f"the trusted key of {self.name}")
 
     @property
@@ -95,6 +99,8 @@ def read_policy(path: Path) -> TrustPolicy:
 
 
 def _publisher(path: Path, name: str, entry: dict[str, Any]) -> TrustedPublisher:
+    from flare.sign.keys import fingerprint, load_public_key
+
     where = f"{path}: publishers.{name}"
     try:
         publisher = TrustedPublisher(name=name, **entry)
@@ -126,6 +132,8 @@ def _read_key_file(path: Path) -> str:
 
 def publisher_for(policy: TrustPolicy, key: PublicKey, configured: str) -> str:
     """The name a key signs as: the one configured, else the name this host trusts it under."""
+    from flare.sign.keys import fingerprint
+
     if configured:
         return check_name(configured, "publisher name")
     trusted = policy.by_fingerprint(fingerprint(key))
@@ -139,6 +147,8 @@ def publisher_for(policy: TrustPolicy, key: PublicKey, configured: str) -> str:
 
 def add_key(policy: TrustPolicy, name: str, pem: str) -> TrustPolicy:
     """Trust a publisher's key (again adding the same key is a no-op)."""
+    from flare.sign.keys import fingerprint, load_public_key
+
     key = load_public_key(pem, f"the key for {name}")
     publisher = TrustedPublisher(name, fingerprint(key), pem)
     if publisher.fingerprint in policy.revoked:
