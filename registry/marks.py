@@ -34,7 +34,10 @@ def decode_marks(data: bytes) -> set[str] | None:
     body, found, checksum = data.rpartition(CHECKSUM)
     if not found or checksum != hash_bytes(body).hex.encode("ascii") + b"\n":
         return None
-    return set(body.decode("ascii").split())
+    try:
+        return set(body.decode("ascii").split())
+    except UnicodeDecodeError:
+        return None  # not a file flare wrote
 
 
 def write_marks(store: BlobStore, digest: Digest, blobs: set[str]) -> None:

@@ -18,6 +18,7 @@ from flare.registry.registry import PinnedError, Registry
 from flare.store import Digest
 from flare.store.blobs import blob_key
 from flare.store.errors import AmbiguousError, IntegrityError, NotFoundError
+from flare.store.hashing import hash_bytes
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +239,9 @@ def test_gc_reads_marks_files_and_never_trusts_a_bad_one(
     lines = path.read_bytes().splitlines(keepends=True)
     torn = b"".join(lines[1:])
     forged = marks.encode_marks(needed - {a.hex, next(iter(needed - {a.hex}))})
-    for bad in (torn, forged, b""):
+    latin = "\u00e9\n".encode()  # not ASCII, yet with a checksum that matches
+    foreign = latin + marks.CHECKSUM + hash_bytes(latin).hex.encode() + b"\n"
+    for bad in (torn, forged, foreign, b""):
         path.write_bytes(bad)
         assert collect(registry, grace_s=0, dry_run=True).deleted == []
         assert path.read_bytes() == bad  # a dry run writes nothing, not even a cache
