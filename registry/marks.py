@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
-from flare.store.errors import InvalidInputError
 from flare.store.hashing import hash_bytes
 
 MARKS_DIR = "marks"
@@ -64,13 +63,7 @@ def package_blobs(store: BlobStore, digest: Digest, keep: bool) -> set[str]:
 
 def drop_orphans(store: BlobStore) -> list[str]:
     """Remove the marks of packages whose index is gone (after gc swept it)."""
-    dropped = []
-    for name in store.backend.list_dir(MARKS_DIR):
-        try:
-            if store.has(Digest(name)):
-                continue
-        except InvalidInputError:
-            continue  # not a marks file: left alone
-        store.backend.remove(f"{MARKS_DIR}/{name}")
-        dropped.append(f"{MARKS_DIR}/{name}")
+    dropped = [f"{MARKS_DIR}/{name}" for name in store.absent(store.backend.list_dir(MARKS_DIR))]
+    for key in dropped:
+        store.backend.remove(key)
     return dropped

@@ -11,7 +11,6 @@ from __future__ import annotations
 from flare.sign.errors import UntrustedError
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
-from flare.store.errors import InvalidInputError
 from flare.store.hashing import hash_bytes
 
 SIGNATURES_DIR = "signatures"
@@ -59,12 +58,7 @@ def claimed_publisher(signatures: list[bytes]) -> str | None:
 def drop_orphans(store: BlobStore) -> list[str]:
     """Remove the signatures of packages whose index is gone (after gc swept it)."""
     dropped = []
-    for hex_digest in store.backend.list_dir(SIGNATURES_DIR):
-        try:
-            if store.has(Digest(hex_digest)):
-                continue
-        except InvalidInputError:
-            continue  # not a package's folder: left alone
+    for hex_digest in store.absent(store.backend.list_dir(SIGNATURES_DIR)):
         folder = f"{SIGNATURES_DIR}/{hex_digest}"
         for name in store.backend.list_dir(folder):
             store.backend.remove(f"{folder}/{name}")

@@ -246,6 +246,18 @@ class BlobStore:
     def has(self, digest: Digest) -> bool:
         return self.locate(digest) is not None
 
+    def absent(self, names: Iterable[str]) -> list[str]:
+        """The names that are hex digests of no stored blob: the side files (signatures,
+        marks) of packages whose index gc swept. Names that are not digests are left out."""
+        gone = []
+        for name in names:
+            try:
+                if not self.has(Digest(name)):
+                    gone.append(name)
+            except InvalidInputError:
+                continue
+        return gone
+
     def iter_unmarked(self, marked: set[str]) -> Iterator[tuple[str, str]]:
         """(hex digest, key) of every stored blob whose digest is not in `marked`.
 

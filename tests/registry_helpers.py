@@ -59,6 +59,13 @@ def tiny_source(root: Path, seed: int) -> Path:
     return folder
 
 
+def tiny_sources(root: Path, count: int) -> Path:
+    """`count` tiny checkpoints, `tiny-0` to `tiny-<count - 1>`, under root."""
+    for seed in range(count):
+        tiny_source(root, seed)
+    return root
+
+
 def build_into(
     registry: Registry, source: Path, name: str, staging: Path, tag: str = "latest"
 ) -> Digest:

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from registry_helpers import BACKENDS, build_into, database, tiny_source
+from registry_helpers import BACKENDS, build_into, database, tiny_sources
 from sqlalchemy import text
 
 from flare.registry import refs
@@ -24,10 +24,7 @@ from flare.store.hashing import hash_bytes
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny checkpoints, made once for the module."""
-    root = tmp_path_factory.mktemp("sources")
-    for seed in range(3):
-        tiny_source(root, seed)
-    return root
+    return tiny_sources(tmp_path_factory.mktemp("sources"), 3)
 
 
 @pytest.fixture(params=BACKENDS)

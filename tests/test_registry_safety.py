@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from registry_helpers import BACKENDS, database, tiny_source
+from registry_helpers import BACKENDS, database, tiny_sources
 
 from flare.build.tiny import make_synthetic_llama
 from flare.registry.registry import Registry
@@ -24,9 +24,7 @@ INDEX_UNUSABLE = 10
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("sources")
-    for seed in range(4):
-        tiny_source(root, seed)
+    root = tiny_sources(tmp_path_factory.mktemp("sources"), 4)
     make_synthetic_llama(root / "synthetic", 16 << 20)
     return root
 

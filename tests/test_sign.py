@@ -18,7 +18,7 @@ import pytest
 from conftest import RunFlare
 from cryptography.hazmat.primitives.asymmetric import ed448, rsa
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-from registry_helpers import Quiet, tiny_source
+from registry_helpers import Quiet, tiny_sources
 from sqlalchemy import text
 
 from flare.build.pipeline import Build, BuildRequest
@@ -40,10 +40,7 @@ UNTRUSTED, INVALID, CORRUPT = 11, 4, 6
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("sources")
-    for seed in range(2):
-        tiny_source(root, seed)
-    return root
+    return tiny_sources(tmp_path_factory.mktemp("sources"), 2)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import compileall
+import functools
 import os
 import re
 import shutil
@@ -65,6 +66,7 @@ def scratch(parent: Path | None, prefix: str) -> Iterator[Path]:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+@functools.cache
 def flare_command() -> list[str]:
     """The installed `flare` script beside this Python (else `python -m flare`), with flare's
     modules compiled to bytecode first, as `pip install` leaves them. An editable checkout
