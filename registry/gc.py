@@ -67,7 +67,7 @@ def mark(registry: Registry, packages: set[Digest], keep: bool) -> set[str]:
     marked: set[str] = set()
     for digest in packages:
         if registry.store.has(digest):
-            marked |= marks.package_blobs(registry.store, digest, keep)
+            marked.update(marks.package_blobs(registry.store, digest, keep))
     return marked
 
 
@@ -77,25 +77,27 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     report = GcReport(dry_run=dry_run)
     packages, build_start = roots(registry)
     marked = mark(registry, packages, keep=not dry_run) | leased_blobs(registry)
-    candidates = list(registry.store.iter_unmarked(marked))
+    old_before = _old_before(started - grace_s, build_start)
     checked_at = time.monotonic()
-    for hex_digest, key in candidates:
+    for blob in registry.store.unmarked(marked):
         if time.monotonic() - checked_at > REREAD_ROOTS_S:
             packages, build_start = _reread(registry, packages, marked, not dry_run)
-            checked_at = time.monotonic()
-        if hex_digest in marked:
+            old_before, checked_at = _old_before(started - grace_s, build_start), time.monotonic()
+        if blob.hex in marked:
             continue
-        stat = registry.store.backend.stat(key)  # taken now, just before the decision
-        if stat is None:
-            continue  # another collector got there first
-        size, modified = stat
-        if modified >= started - grace_s or (build_start is not None and modified >= build_start):
+        size, modified = blob.size, blob.modified
+        if modified < old_before and not dry_run:
+            stat = registry.store.backend.stat(blob.key)  # again, just before the delete
+            if stat is None:
+                continue  # another collector got there first
+            size, modified = stat
+        if modified >= old_before:
             report.kept_recent += 1
             continue
-        report.deleted.append(f"blake3:{hex_digest}")
+        report.deleted.append(f"blake3:{blob.hex}")
         report.freed_bytes += size
         if not dry_run:
-            registry.store.backend.remove(key)
+            registry.store.backend.remove(blob.key)
     report.roots, report.marked = len(packages), len(marked)
     if not dry_run:
         report.forgotten = _forget_swept(registry, set(report.deleted))
@@ -104,6 +106,12 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
         report.temp_files = registry.store.sweep_temps()
         drop_expired_leases(registry.store)
     return report
+
+
+def _old_before(grace_cutoff: float, build_start: float | None) -> float:
+    """The time a blob must be untouched since to go: the grace period's start, or the start
+    of the earliest live build lease if that is earlier (the build may still need it)."""
+    return grace_cutoff if build_start is None else min(grace_cutoff, build_start)
 
 
 def _reread(

@@ -10,6 +10,8 @@ from the verified index, and `reindex` needs none of them.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
 from flare.store.hashing import hash_bytes
@@ -28,13 +30,14 @@ def encode_marks(blobs: set[str]) -> bytes:
     return body + CHECKSUM + hash_bytes(body).hex.encode("ascii") + b"\n"
 
 
-def decode_marks(data: bytes) -> set[str] | None:
-    """The blob set, or None unless the checksum matches (a torn or edited file)."""
+def decode_marks(data: bytes) -> list[str] | None:
+    """The blobs as written (sorted), or None unless the checksum matches (a torn or edited
+    file). A list, not a set: gc adds every package's blobs to one set of its own."""
     body, found, checksum = data.rpartition(CHECKSUM)
     if not found or checksum != hash_bytes(body).hex.encode("ascii") + b"\n":
         return None
     try:
-        return set(body.decode("ascii").split())
+        return body.decode("ascii").split()
     except UnicodeDecodeError:
         return None  # not a file flare wrote
 
@@ -45,20 +48,26 @@ def write_marks(store: BlobStore, digest: Digest, blobs: set[str]) -> None:
     store.backend.write_atomic(marks_key(digest), encode_marks(blobs))
 
 
-def package_blobs(store: BlobStore, digest: Digest, keep: bool) -> set[str]:
-    """Hex digests of every blob a stored package needs, its index included: from its marks
-    file, else from its index (verified against its digest), then kept if `keep`."""
+def package_blobs(store: BlobStore, digest: Digest, keep: bool) -> list[str]:
+    """Hex digests of every blob a stored package needs, its index included, sorted: from its
+    marks file, else from its index (verified against its digest), then kept if `keep`."""
     data = store.backend.read(marks_key(digest))
-    blobs = decode_marks(data) if data is not None else None
-    if blobs is not None and digest.hex in blobs:
-        return blobs
+    listed = decode_marks(data) if data is not None else None
+    if listed is not None and _holds(listed, digest.hex):
+        return listed
     from flare.store.package import referenced_blobs  # pydantic: not for listing commands
 
     index = store.read_bytes(digest)
     blobs = referenced_blobs(index, f"package {digest.short()}") | {digest.hex}
     if keep:
         write_marks(store, digest, blobs)
-    return blobs
+    return sorted(blobs)
+
+
+def _holds(listed: list[str], hex_digest: str) -> bool:
+    """Whether a sorted list holds the digest (a marks file always holds its own index)."""
+    at = bisect_left(listed, hex_digest)
+    return at < len(listed) and listed[at] == hex_digest
 
 
 def drop_orphans(store: BlobStore) -> list[str]:

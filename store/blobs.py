@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 from flare.store.backends import Backend, StoredFile, TempFile, open_backend
 from flare.store.backends.base import TMP_DIR
@@ -53,6 +53,15 @@ QUARANTINE_DIR = "quarantine"
 COPY_CHUNK = 16 << 20
 LARGE_BLOB = 64 << 20
 """Blobs this large are hashed one at a time, each on all threads (as b3sum does)."""
+
+
+class Unmarked(NamedTuple):
+    """A blob gc's mark did not reach, as its sweep listed it."""
+
+    hex: str
+    key: str
+    size: int
+    modified: float
 
 
 @dataclass(frozen=True)
@@ -258,18 +267,20 @@ class BlobStore:
                 continue
         return gone
 
-    def iter_unmarked(self, marked: set[str]) -> Iterator[tuple[str, str]]:
-        """(hex digest, key) of every stored blob whose digest is not in `marked`.
+    def unmarked(self, marked: set[str]) -> Iterator[Unmarked]:
+        """Every stored blob whose digest is not in `marked`, with its size and time as listed.
 
         gc's sweep: each fan-out folder's names are dropped by one set difference with the
         marked digests, so a live blob costs no Python work at all (a stray file named like
-        a live blob is kept, which is safe); only the rest are parsed.
+        a live blob is kept, which is safe); only the rest are stat-ed and parsed. One
+        thread: with the GIL, threads made it slower (docs/performance.md).
         """
         for folder in self.backend.list_dir(BLOB_DIR):
-            for name in self.backend.names(f"{BLOB_DIR}/{folder}").difference(marked):
+            prefix = f"{BLOB_DIR}/{folder}"
+            for name, (size, modified) in self.backend.stat_folder(prefix, marked).items():
                 parsed = blob_file(folder, name)
                 if parsed is not None and parsed[0] not in marked:
-                    yield parsed[0], f"{BLOB_DIR}/{folder}/{name}"
+                    yield Unmarked(parsed[0], f"{prefix}/{name}", size, modified)
 
     def iter_blobs(self, stray: list[str] | None = None) -> Iterator[BlobInfo]:
         """Every stored blob; files that are not blobs are appended to `stray` if given."""

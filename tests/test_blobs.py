@@ -299,6 +299,27 @@ def test_a_forged_zstd_frame_cannot_expand_past_its_recorded_size(tmp_path: Path
     assert packed.verify().corrupt == [digest]
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_unmarked_lists_the_unreachable_blobs_with_size_and_time(
+    where: str, tmp_path: Path
+) -> None:
+    """gc's sweep sees every blob its mark missed, as listed, and nothing else: not the
+    marked ones, not a stray file in a fan-out folder, not a folder named like a blob."""
+    location = str(tmp_path / "store") if where == "local" else f"memory://unmarked-{where}"
+    store = BlobStore(location)
+    live, dead, other = (store.put_bytes(os.urandom(n)) for n in (100, 2000, 3000))
+    store.backend.write_atomic(f"blobs/blake3/{dead.digest.hex[:2]}/not-a-blob", b"x")
+    if where == "local":
+        folder = live.digest.hex[:2]
+        Path(location, "blobs/blake3", folder, folder + "0" * 62).mkdir(parents=True)
+    found = {blob.hex: blob for blob in store.unmarked({live.digest.hex})}
+    assert sorted(found) == sorted([dead.digest.hex, other.digest.hex])
+    for result in (dead, other):
+        blob = found[result.digest.hex]
+        assert blob.key == blob_key(result.digest, Encoding.PLAIN)
+        assert (blob.size, blob.modified) == store.backend.stat(blob.key)
+
+
 def test_memory_backend_through_fsspec(tmp_path: Path) -> None:
     remote = BlobStore("memory://flare-tests/store")
     data = os.urandom(300_000)

@@ -89,9 +89,10 @@ class Backend(Protocol):
     def list_dir(self, prefix: str) -> list[str]:
         """The names directly under a folder (files and folders), sorted; [] if it is absent."""
 
-    def names(self, prefix: str) -> set[str]:
-        """The names directly under a folder, dot-files included, as a set (empty if absent):
-        for callers that compare them with a set of their own, such as gc's sweep."""
+    def stat_folder(self, prefix: str, skip: set[str]) -> dict[str, tuple[int, float]]:
+        """Size and modification time of each file directly under a folder whose name is not
+        in `skip` (empty if the folder is absent): gc's sweep, which skips the live blobs
+        before any per-file work, as one detailed listing where the store has one."""
 
     def stat(self, key: str) -> tuple[int, float] | None:
         """The file's size and modification time, or None when there is none."""

@@ -14,6 +14,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from stat import S_ISREG
 from typing import BinaryIO
 
 from flare.store.backends.base import TMP_DIR, StoredFile, TempFile
@@ -381,11 +382,25 @@ class LocalBackend:
         except (FileNotFoundError, NotADirectoryError):
             return []
 
-    def names(self, prefix: str) -> set[str]:
+    def stat_folder(self, prefix: str, skip: set[str]) -> dict[str, tuple[int, float]]:
+        """One listing, one set difference, then a stat relative to the open folder for each
+        name left (no path walk per file); a name removed meanwhile is left out."""
         try:
-            return set(os.listdir(self._path(prefix)))
+            fd = os.open(f"{self.root}/{prefix}", os.O_RDONLY | os.O_DIRECTORY)
         except (FileNotFoundError, NotADirectoryError):
-            return set()
+            return {}
+        found = {}
+        try:
+            for name in set(os.listdir(fd)).difference(skip):
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if S_ISREG(st.st_mode):
+                    found[name] = (st.st_size, st.st_mtime)
+        finally:
+            os.close(fd)
+        return found
 
     def stat(self, key: str) -> tuple[int, float] | None:
         try:

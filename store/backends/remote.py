@@ -141,12 +141,18 @@ class FsspecBackend:
             return []
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
-    def names(self, prefix: str) -> set[str]:
+    def stat_folder(self, prefix: str, skip: set[str]) -> dict[str, tuple[int, float]]:
+        """One detailed listing gives every size and time: no request per file."""
         try:
-            entries = self.fs.ls(self._path(prefix), detail=False)
+            entries = self.fs.ls(self._path(prefix), detail=True)
         except FileNotFoundError:
-            return set()
-        return {str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries}
+            return {}
+        found = {}
+        for info in entries:
+            name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
+            if info.get("type") == "file" and name not in skip:
+                found[name] = (int(info["size"]), _modified(info) or 0.0)
+        return found
 
     def stat(self, key: str) -> tuple[int, float] | None:
         try:

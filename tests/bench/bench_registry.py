@@ -617,19 +617,19 @@ def explain_gc(registry: Registry, blobs: Path, find_s: float) -> list[str]:
     packages, _start = gc.roots(registry)
     marked = gc.mark(registry, packages, keep=False)
     keys = list(store.backend.iter_names(BLOB_DIR))
-    candidates = [key for _, key in store.iter_unmarked(marked)]
+    candidates = list(store.unmarked(marked))
     parts = time_stages(
         [
             ("roots(): refs, tags, pins, leases", lambda: gc.roots(registry)),
             ("mark(): the roots' marks files", lambda: gc.mark(registry, packages, keep=False)),
             ("list names under blobs/ (no stat)", lambda: list(store.backend.iter_names(BLOB_DIR))),
             (
-                "list, pass over marked names, parse the rest",
-                lambda: list(store.iter_unmarked(marked)),
+                "unmarked(): list, drop marked names, stat and parse the rest",
+                lambda: list(store.unmarked(marked)),
             ),
             (
-                "one stat per candidate (size, mtime)",
-                lambda: [store.backend.stat(k) for k in candidates],
+                "one stat per candidate, by path, one thread (for reference)",
+                lambda: [store.backend.stat(blob.key) for blob in candidates],
             ),
         ]
     )
