@@ -21,7 +21,7 @@ from typing import Any
 
 from flare.build.faults import crash_point
 from flare.build.journal import Journal, inputs_digest
-from flare.build.payloads import PayloadReader
+from flare.build.payloads import payload_stream
 from flare.build.pipeline import PhaseReport
 from flare.build.plan import PlannedPayload
 from flare.build.ranks import TAG_DOWN, TAG_UP, TOKEN_DIR
@@ -245,7 +245,7 @@ class Join:
             return
         paths = {t.source.file: self.source.root / t.source.file for t in payload.tensors}
         self._check_sources(paths)
-        with PayloadReader(payload, paths) as reader:
+        with payload_stream(payload, paths) as reader:
             yield reader
         self._check_sources(paths)
 

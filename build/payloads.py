@@ -1,87 +1,64 @@
-"""Writing a payload: a safetensors file streamed straight from the checkpoint's bytes.
+"""Writing a payload: a safetensors file made of the checkpoint's bytes, never of arrays.
 
-The header is computed from the plan, then each tensor's bytes are read from the source file
-(one range for a whole tensor or a dim-0 slice, one range per row for a later dim) into the
-store's hashing writer. No tensor is ever materialised as an array.
+The header is computed from the plan; each tensor's bytes are runs of the source file (one
+run for a whole tensor or a dim-0 slice, one per row for a later dim). The store copies those
+runs file to file in the kernel (store/splice.py); peers and remote stores read them as one
+stream instead.
 """
 
 from __future__ import annotations
 
-import io
 import os
-from collections.abc import Mapping
-from contextlib import ExitStack
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from flare.build.plan import PlannedPayload
+from flare.store.blobs import BlobStore, PutResult
 from flare.store.errors import from_os_error
+from flare.store.hashing import Progress
 from flare.store.safetensors import encode_header
+from flare.store.splice import FileRuns, Piece, PiecesReader
 
 
-class PayloadReader(io.RawIOBase):
-    """The bytes of one payload, read on demand: header, then each tensor's regions."""
+def planned_size(payload: PlannedPayload) -> int:
+    """The payload's size in bytes, header included, without opening any file."""
+    header = encode_header([t.spec for t in payload.tensors], {})
+    return len(header) + sum(t.spec.nbytes for t in payload.tensors)
 
-    def __init__(self, payload: PlannedPayload, files: Mapping[str, Path]) -> None:
-        super().__init__()
-        self._stack = ExitStack()
-        self._header = encode_header([t.spec for t in payload.tensors], {})
-        self._pieces = [(None, 0, 1, len(self._header), len(self._header))]
+
+@contextmanager
+def payload_pieces(payload: PlannedPayload, files: Mapping[str, Path]) -> Iterator[list[Piece]]:
+    """The payload as pieces: its header, then each tensor's runs of its (open) source file."""
+    with ExitStack() as stack:
         fds: dict[str, int] = {}
+        pieces: list[Piece] = [encode_header([t.spec for t in payload.tensors], {})]
         for tensor in payload.tensors:
             name = tensor.source.file
             if name not in fds:
-                fds[name] = self._open(files[name])
-            self._pieces.append((fds[name], *tensor.regions()))
-        self.size = sum(rows * length for _, _, rows, _, length in self._pieces)
-        self._piece = 0
-        self._done = 0
-        """Bytes of the current piece already returned."""
+                fds[name] = _open(files[name])
+                stack.callback(os.close, fds[name])
+            pieces.append(FileRuns(fds[name], *tensor.regions()))
+        yield pieces
 
-    @staticmethod
-    def planned_size(payload: PlannedPayload) -> int:
-        """The payload's size in bytes, header included, without opening any file."""
-        header = encode_header([t.spec for t in payload.tensors], {})
-        return len(header) + sum(t.spec.nbytes for t in payload.tensors)
 
-    def _open(self, path: Path) -> int:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise from_os_error(exc, "read", path) from exc
-        self._stack.callback(os.close, fd)
-        return fd
+@contextmanager
+def payload_stream(payload: PlannedPayload, files: Mapping[str, Path]) -> Iterator[PiecesReader]:
+    """The payload's bytes as one stream (`.size` long), for a peer that has no checkpoint."""
+    with payload_pieces(payload, files) as pieces:
+        yield PiecesReader(pieces)
 
-    def readable(self) -> bool:
-        return True
 
-    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
-        view = memoryview(buffer).cast("B")
-        filled = 0
-        while filled < len(view) and self._piece < len(self._pieces):
-            filled += self._fill(view[filled:])
-        return filled
+def store_payload(
+    store: BlobStore, payload: PlannedPayload, files: Mapping[str, Path], progress: Progress
+) -> PutResult:
+    """Write the payload into the store as one blob."""
+    with payload_pieces(payload, files) as pieces:
+        return store.put_pieces(pieces, progress)
 
-    def _fill(self, view: memoryview) -> int:
-        """Copy from the current piece into view; move to the next piece when it is done."""
-        fd, offset, rows, stride, length = self._pieces[self._piece]
-        row, column = divmod(self._done, length)
-        take = min(len(view), length - column)
-        if fd is None:
-            view[:take] = self._header[column : column + take]
-            got = take
-        else:
-            got = os.preadv(fd, [view[:take]], offset + row * stride + column)
-            if got == 0:
-                raise from_os_error(
-                    OSError(5, "source file is shorter than its header says"),
-                    "read",
-                    f"tensor data at offset {offset}",
-                )
-        self._done += got
-        if self._done == rows * length:
-            self._piece, self._done = self._piece + 1, 0
-        return got
 
-    def close(self) -> None:
-        self._stack.close()
-        super().close()
+def _open(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise from_os_error(exc, "read", path) from exc

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from flare.build.checkpoint import SourceTensor, read_config, read_tensors, weight_files
 from flare.build.faults import crash_point
 from flare.build.journal import Journal, inputs_digest
-from flare.build.payloads import PayloadReader
+from flare.build.payloads import planned_size, store_payload
 from flare.build.plan import PAYLOAD_BYTES, PlannedPayload, plan_payloads
 from flare.build.ranks import Leader
 from flare.build.recipes import recipe_for
@@ -40,8 +40,9 @@ from flare.store.package import (
     encode_index,
 )
 
-PAYLOAD_WORKERS = 2
-"""Payloads written at once by default: one hashes while the other waits on the disk."""
+PAYLOAD_WORKERS = 4
+"""Payloads written at once by default: the kernel copies and the hashing of some overlap
+the writeback of others (4 beat 2 on a 2-core host: docs/performance.md)."""
 
 
 @dataclass(frozen=True)
@@ -283,7 +284,7 @@ class Build:
             "artifacts": {n: f["digest"] for n, f in artifacts.items()},
             "compiled": compiled,
         }
-        sizes = [PayloadReader.planned_size(p) for p in plan]
+        sizes = [planned_size(p) for p in plan]
         reused: list[bool] = []
 
         def assemble() -> tuple[dict, int, list]:
@@ -330,11 +331,10 @@ class Build:
         return payload.manifest_entry(record["digest"], record["size"])
 
     def fresh_entry(self, payload: PlannedPayload, size: int) -> dict[str, Any]:
-        """One payload blob streamed from the source into the store, then recorded."""
+        """One payload blob copied from the source into the store, then recorded."""
         paths = self.source_paths(payload)
         self.check_sources(paths)
-        with PayloadReader(payload, paths) as reader:
-            result = self.store.put_stream(reader, reader.size, progress=self.events.advance)
+        result = store_payload(self.store, payload, paths, self.events.advance)
         self.check_sources(paths)
         return self.record_entry(payload, str(result.digest), result.size)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flare.build.payloads import PayloadReader
+from flare.build.payloads import payload_stream, planned_size
 from flare.build.plan import PlannedPayload
 from flare.build.rendezvous import Rendezvous
 from flare.store.blobs import BlobStore
@@ -98,7 +98,7 @@ class Leader:
                 "model_id": build.source.model_id,
                 "files": files,
                 "plan": [p.describe() for p in plan],
-                "sizes": [PayloadReader.planned_size(p) for p in plan],
+                "sizes": [planned_size(p) for p in plan],
                 "store": {
                     "token": self.token.name if self.token else None,
                     "encoding": self.store.encoding.value,
@@ -186,7 +186,7 @@ class Leader:
         for i in indices:
             paths = build.source_paths(plan[i])
             build.check_sources(paths)
-            with PayloadReader(plan[i], paths) as reader:
+            with payload_stream(plan[i], paths) as reader:
                 self.rendezvous.send_stream(reader, sizes[i], rank, TAG_DOWN, lambda _n: None)
             build.check_sources(paths)
 

@@ -13,7 +13,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
@@ -46,6 +46,7 @@ from flare.store.hashing import (
     new_hasher,
     parallel_map,
 )
+from flare.store.splice import Piece, PiecesReader, pieces_size, splice_hashing
 
 BLOB_DIR = "blobs/blake3"
 _BLOB_FILE = re.compile(rf"([0-9a-f]{{{HEX_LENGTH}}})({re.escape(Encoding.ZSTD.suffix)})?")
@@ -334,6 +335,25 @@ class BlobStore:
             return self._put_unsized_zstd(stream, expect, progress)
         temp, digest, total = self._write_temp(stream, size, progress)
         return self._publish(temp, digest, total, "copy", expect)
+
+    def put_pieces(self, pieces: Sequence[Piece], progress: Progress | None = None) -> PutResult:
+        """Store the concatenation of pieces (bytes, runs of open files): copied file to file
+        by the kernel where this store is a local folder in the plain encoding, else
+        streamed."""
+        if self.encoding is not Encoding.PLAIN or self.backend.local_path(TMP_DIR) is None:
+            reader = PiecesReader(pieces)
+            return self.put_stream(reader, reader.size, progress=progress)  # type: ignore[arg-type]
+        self._prepare_writes()
+        temp = self.backend.create_temp()
+        try:
+            hex_digest = splice_hashing(pieces, temp.file.fileno(), progress)
+        except OSError as exc:
+            self.backend.discard(temp)
+            raise from_os_error(exc, "write a blob into", self.location) from exc
+        except BaseException:
+            self.backend.discard(temp)
+            raise
+        return self._publish(temp, Digest(hex_digest), pieces_size(pieces), "copy", None)
 
     def put_file(
         self, path: Path, link: bool = True, progress: Progress | None = None

@@ -31,6 +31,13 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _sync_file_range = getattr(_libc, "sync_file_range", None)
 
 
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing a range of the file to disk now, without waiting:
+    the fsync that makes the file durable then waits for the last range only."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, ctypes.c_int64(offset), ctypes.c_int64(length), _SYNC_FILE_RANGE_WRITE)
+
+
 def _open_direct(path: Path) -> int | None:
     """A second descriptor on the file that bypasses the page cache, where allowed."""
     try:
@@ -117,10 +124,8 @@ class BlobFile(io.RawIOBase):
         while done < len(view):
             done += os.pwrite(self._fd, view[done:], self._offset + done)
         self._offset += done
-        if _sync_file_range is not None and self._offset - self._written_back >= WRITEBACK_EVERY:
-            start = ctypes.c_int64(self._written_back)
-            length = ctypes.c_int64(self._offset - self._written_back)
-            _sync_file_range(self._fd, start, length, _SYNC_FILE_RANGE_WRITE)
+        if self._offset - self._written_back >= WRITEBACK_EVERY:
+            start_writeback(self._fd, self._written_back, self._offset - self._written_back)
             self._written_back = self._offset
 
     def flush(self) -> None:
@@ -249,7 +254,8 @@ class LocalBackend:
     def create_temp(self) -> TempFile:
         path = self.root / TMP_DIR / temp_name()
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            # read too: a spliced blob is hashed from its own pages (store/splice.py)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             raise from_os_error(exc, "create a temporary file in", path.parent) from exc
         fcntl.flock(fd, fcntl.LOCK_EX)
