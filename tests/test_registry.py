@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from registry_helpers import BACKENDS, build_into, database, tiny_sources
-from sqlalchemy import text
+from sqlalchemy import inspect, text
 
 from flare.registry import refs
 from flare.registry.database import UnusableIndexError
@@ -206,6 +206,30 @@ def test_schema_head_constant_matches_the_migrations() -> None:
     from flare.registry.database import SCHEMA_HEAD, alembic_config
 
     assert ScriptDirectory.from_config(alembic_config()).get_current_head() == SCHEMA_HEAD
+
+
+def test_a_new_index_db_has_the_tables_the_migrations_make(registry: Registry) -> None:
+    """A new index DB is made from the models and stamped at head; replaying every revision
+    on an empty DB must give the same tables, or a lab's older DBs would upgrade elsewhere."""
+    from alembic import command
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from flare.registry.database import SCHEMA_HEAD, alembic_config
+    from flare.registry.models import metadata
+
+    with registry.db.engine.begin() as connection:
+        config = alembic_config()
+        config.attributes["connection"] = connection
+        made = sorted(inspect(connection).get_table_names())
+        assert compare_metadata(MigrationContext.configure(connection), metadata) == []
+        command.downgrade(config, "base")
+        assert inspect(connection).get_table_names() == ["alembic_version"]
+        command.upgrade(config, "head")
+        assert sorted(inspect(connection).get_table_names()) == made
+        assert compare_metadata(MigrationContext.configure(connection), metadata) == []
+        version = connection.execute(text("SELECT version_num FROM alembic_version"))
+        assert version.scalar_one() == SCHEMA_HEAD
 
 
 def test_gc_forgets_records_a_killed_gc_left_behind(
