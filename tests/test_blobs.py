@@ -17,7 +17,8 @@ from helpers import write_random
 
 from flare.store import BlobStore, Digest, Encoding
 from flare.store.blobs import blob_key
-from flare.store.errors import IntegrityError, NotFoundError
+from flare.store.errors import FlareError, IntegrityError, NotFoundError
+from flare.store.splice import FileRuns
 
 
 def stored_path(store: BlobStore, digest: Digest, encoding: Encoding = Encoding.PLAIN) -> Path:
@@ -297,6 +298,47 @@ def test_a_forged_zstd_frame_cannot_expand_past_its_recorded_size(tmp_path: Path
     with pytest.raises(IntegrityError):
         packed.open(digest, expected_size=1 << 20)
     assert packed.verify().corrupt == [digest]
+
+
+@pytest.mark.parametrize("where", ["local", "zstd", "memory", "other-filesystem"])
+def test_put_pieces_stores_exactly_the_concatenation(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A payload's pieces (bytes, a whole run, strided rows) land as one blob whose bytes and
+    digest are their concatenation: copied by the kernel in a local plain store (sendfile from
+    another filesystem), streamed into zstd and fsspec stores."""
+    folder = request.getfixturevalue("small_fs") if where == "other-filesystem" else tmp_path
+    source = folder / "weights.bin"
+    data = os.urandom(3 << 20)
+    source.write_bytes(data)
+    location = f"memory://pieces-{where}" if where == "memory" else str(tmp_path / "store")
+    encoding = Encoding.ZSTD if where == "zstd" else Encoding.PLAIN
+    store = BlobStore(location, encoding)
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        pieces = [b"header", FileRuns(fd, 100, 1, 0, 2 << 20), FileRuns(fd, 7, 300, 4096, 1000)]
+        result = store.put_pieces(pieces)
+    finally:
+        os.close(fd)
+    rows = b"".join(data[7 + r * 4096 : 7 + r * 4096 + 1000] for r in range(300))
+    expected = b"header" + data[100 : 100 + (2 << 20)] + rows
+    assert result.size == len(expected)
+    assert result.digest == Digest(blake3(expected).hexdigest())
+    assert store.read_bytes(result.digest) == expected
+
+
+def test_put_pieces_refuses_a_source_shorter_than_its_runs(
+    store: BlobStore, tmp_path: Path
+) -> None:
+    source = tmp_path / "short.bin"
+    source.write_bytes(os.urandom(1000))
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        with pytest.raises(FlareError, match="shorter than its header says"):
+            store.put_pieces([b"h", FileRuns(fd, 0, 1, 0, 5000)])
+    finally:
+        os.close(fd)
+    assert temp_files(store) == [] and store.usage().blobs == 0
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])
