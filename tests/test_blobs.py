@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
+import shutil
 import stat
 import subprocess
 import threading
@@ -384,10 +385,14 @@ def test_memory_backend_through_fsspec(tmp_path: Path) -> None:
 @pytest.fixture
 def xfs(tmp_path: Path) -> Iterator[Path]:
     """A loop-mounted XFS with reflinks (root and xfsprogs needed; skipped without them)."""
+    search = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    mkfs = shutil.which("mkfs.xfs", path=search)  # a user's PATH often lacks the sbin folders
+    if mkfs is None:
+        pytest.skip("no mkfs.xfs here")
     image, mount = tmp_path / "xfs.img", tmp_path / "xfs"
     with open(image, "wb") as handle:
         handle.truncate(512 << 20)
-    made = subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", str(image)], capture_output=True)
+    made = subprocess.run([mkfs, "-q", "-m", "reflink=1", str(image)], capture_output=True)
     mount.mkdir()
     if (
         made.returncode != 0
