@@ -79,25 +79,24 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     marked = mark(registry, packages, keep=not dry_run) | leased_blobs(registry)
     old_before = _old_before(started - grace_s, build_start)
     checked_at = time.monotonic()
-    for blob in registry.store.unmarked(marked):
+    for hex_digest, key, size, modified in registry.store.unmarked(marked):
         if time.monotonic() - checked_at > REREAD_ROOTS_S:
             packages, build_start = _reread(registry, packages, marked, not dry_run)
             old_before, checked_at = _old_before(started - grace_s, build_start), time.monotonic()
-        if blob.hex in marked:
+        if hex_digest in marked:
             continue
-        size, modified = blob.size, blob.modified
         if modified < old_before and not dry_run:
-            stat = registry.store.backend.stat(blob.key)  # again, just before the delete
+            stat = registry.store.backend.stat(key)  # again, just before the delete
             if stat is None:
                 continue  # another collector got there first
             size, modified = stat
         if modified >= old_before:
             report.kept_recent += 1
             continue
-        report.deleted.append(f"blake3:{blob.hex}")
+        report.deleted.append(f"blake3:{hex_digest}")
         report.freed_bytes += size
         if not dry_run:
-            registry.store.backend.remove(blob.key)
+            registry.store.backend.remove(key)
     report.roots, report.marked = len(packages), len(marked)
     if not dry_run:
         report.forgotten = _forget_swept(registry, set(report.deleted))

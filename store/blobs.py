@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import BinaryIO
 
 from flare.store.backends import Backend, StoredFile, TempFile, open_backend
 from flare.store.backends.base import TMP_DIR
@@ -56,13 +56,9 @@ LARGE_BLOB = 64 << 20
 """Blobs this large are hashed one at a time, each on all threads (as b3sum does)."""
 
 
-class Unmarked(NamedTuple):
-    """A blob gc's mark did not reach, as its sweep listed it."""
-
-    hex: str
-    key: str
-    size: int
-    modified: float
+Unmarked = tuple[str, str, int, float]
+"""A blob gc's mark did not reach, as its sweep listed it: hex digest, key, size, time (a
+plain tuple: gc's sweep makes one per unreachable blob)."""
 
 
 @dataclass(frozen=True)
@@ -278,10 +274,10 @@ class BlobStore:
         """
         for folder in self.backend.list_dir(BLOB_DIR):
             prefix = f"{BLOB_DIR}/{folder}"
-            for name, (size, modified) in self.backend.stat_folder(prefix, marked).items():
+            for name, size, modified in self.backend.stat_folder(prefix, marked):
                 parsed = blob_file(folder, name)
                 if parsed is not None and parsed[0] not in marked:
-                    yield Unmarked(parsed[0], f"{prefix}/{name}", size, modified)
+                    yield parsed[0], f"{prefix}/{name}", size, modified
 
     def iter_blobs(self, stray: list[str] | None = None) -> Iterator[BlobInfo]:
         """Every stored blob; files that are not blobs are appended to `stray` if given."""

@@ -355,12 +355,12 @@ def test_unmarked_lists_the_unreachable_blobs_with_size_and_time(
     if where == "local":
         folder = live.digest.hex[:2]
         Path(location, "blobs/blake3", folder, folder + "0" * 62).mkdir(parents=True)
-    found = {blob.hex: blob for blob in store.unmarked({live.digest.hex})}
+    found = {hex_digest: rest for hex_digest, *rest in store.unmarked({live.digest.hex})}
     assert sorted(found) == sorted([dead.digest.hex, other.digest.hex])
     for result in (dead, other):
-        blob = found[result.digest.hex]
-        assert blob.key == blob_key(result.digest, Encoding.PLAIN)
-        assert (blob.size, blob.modified) == store.backend.stat(blob.key)
+        key, size, modified = found[result.digest.hex]
+        assert key == blob_key(result.digest, Encoding.PLAIN)
+        assert (size, modified) == store.backend.stat(key)
 
 
 def test_memory_backend_through_fsspec(tmp_path: Path) -> None:

@@ -388,14 +388,14 @@ class LocalBackend:
         except (FileNotFoundError, NotADirectoryError):
             return []
 
-    def stat_folder(self, prefix: str, skip: set[str]) -> dict[str, tuple[int, float]]:
+    def stat_folder(self, prefix: str, skip: set[str]) -> list[tuple[str, int, float]]:
         """One listing, one set difference, then a stat relative to the open folder for each
         name left (no path walk per file); a name removed meanwhile is left out."""
         try:
             fd = os.open(f"{self.root}/{prefix}", os.O_RDONLY | os.O_DIRECTORY)
         except (FileNotFoundError, NotADirectoryError):
-            return {}
-        found = {}
+            return []
+        found = []
         try:
             for name in set(os.listdir(fd)).difference(skip):
                 try:
@@ -403,7 +403,7 @@ class LocalBackend:
                 except FileNotFoundError:
                     continue
                 if S_ISREG(st.st_mode):
-                    found[name] = (st.st_size, st.st_mtime)
+                    found.append((name, st.st_size, st.st_mtime))
         finally:
             os.close(fd)
         return found

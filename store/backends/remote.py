@@ -141,17 +141,17 @@ class FsspecBackend:
             return []
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
-    def stat_folder(self, prefix: str, skip: set[str]) -> dict[str, tuple[int, float]]:
+    def stat_folder(self, prefix: str, skip: set[str]) -> list[tuple[str, int, float]]:
         """One detailed listing gives every size and time: no request per file."""
         try:
             entries = self.fs.ls(self._path(prefix), detail=True)
         except FileNotFoundError:
-            return {}
-        found = {}
+            return []
+        found = []
         for info in entries:
             name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
             if info.get("type") == "file" and name not in skip:
-                found[name] = (int(info["size"]), _modified(info) or 0.0)
+                found.append((name, int(info["size"]), _modified(info) or 0.0))
         return found
 
     def stat(self, key: str) -> tuple[int, float] | None:

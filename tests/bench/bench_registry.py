@@ -629,7 +629,7 @@ def explain_gc(registry: Registry, blobs: Path, find_s: float) -> list[str]:
             ),
             (
                 "one stat per candidate, by path, one thread (for reference)",
-                lambda: [store.backend.stat(blob.key) for blob in candidates],
+                lambda: [store.backend.stat(key) for _, key, _, _ in candidates],
             ),
         ]
     )
