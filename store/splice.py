@@ -3,10 +3,11 @@
 A package payload is a new header followed by byte ranges of checkpoint files. Copying those
 ranges through Python costs two copies per byte (into a buffer, out to the file); the kernel
 copies them file to file instead (`copy_file_range`, which on some filesystems shares the
-extents or copies on the server; `sendfile` across filesystems), as `cp` does. The digest is
-taken from the written file itself, read back from the page cache in spans as they land, so
-a blob is correct by construction even if a source changed meanwhile; writeback of each span
-starts at once, so the final fsync waits for the last span only.
+extents or copies on the server; `sendfile` across filesystems; a plain read and write only
+where neither is allowed), as `cp` does. The digest is taken from the written file itself,
+from its pages in the page cache (mapped, or read back where a filesystem cannot map them)
+in spans as they land, so a blob is correct by construction even if a source changed
+meanwhile; writeback of each span starts at once, so the final fsync waits for the last span.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import io
 import mmap
 import os
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import NamedTuple
 
 from blake3 import blake3
@@ -27,8 +29,6 @@ from flare.store.hashing import Progress, new_hasher
 SPAN = 16 << 20
 """Bytes copied before they are hashed and their writeback started: large enough to keep
 the disk busy, small enough to be hashed while they are still in the CPU's reach."""
-_NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
-"""copy_file_range refusals that sendfile does not share (another filesystem, mostly)."""
 
 
 class FileRuns(NamedTuple):
@@ -99,8 +99,8 @@ def splice_hashing(pieces: Sequence[Piece], dest: int, progress: Progress | None
     if size == 0:
         return hasher.hexdigest()
     os.ftruncate(dest, size)  # so that the whole file can be mapped before it is filled
-    with mmap.mmap(dest, size, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as landed:
-        writer = _SpanWriter(dest, landed, hasher, progress)
+    with ExitStack() as stack:
+        writer = _SpanWriter(dest, _map(dest, size, stack), hasher, progress)
         for piece in pieces:
             if isinstance(piece, bytes):
                 writer.write(piece)
@@ -111,16 +111,27 @@ def splice_hashing(pieces: Sequence[Piece], dest: int, progress: Progress | None
     return hasher.hexdigest()
 
 
+def _map(dest: int, size: int, stack: ExitStack) -> memoryview | None:
+    """The file's pages, read-only, or None where the filesystem cannot map it (FUSE with
+    direct I/O, CIFS without a cache): the spans are then read back to be hashed."""
+    try:
+        mapped = stack.enter_context(mmap.mmap(dest, size, prot=mmap.PROT_READ))
+    except OSError:
+        return None
+    return stack.enter_context(memoryview(mapped))
+
+
 class _SpanWriter:
     """Appends to the file, and hashes and starts writing back each span once it is full."""
 
     def __init__(
-        self, dest: int, landed: memoryview, hasher: blake3, progress: Progress | None
+        self, dest: int, landed: memoryview | None, hasher: blake3, progress: Progress | None
     ) -> None:
         self._dest, self._landed, self._hasher, self._progress = dest, landed, hasher, progress
         self._end = 0
         self._hashed = 0
-        self._kernel_copy = True
+        self._copier = 0
+        """Index in COPIERS of the first way of copying this filesystem pair has not refused."""
 
     def write(self, data: bytes) -> None:
         view = memoryview(data)
@@ -130,7 +141,7 @@ class _SpanWriter:
             self._advance(done)
 
     def copy(self, source: int, offset: int, length: int) -> None:
-        """`length` bytes of `source` from `offset`, file to file in the kernel."""
+        """`length` bytes of `source` from `offset`, file to file in the kernel if it can."""
         while length:
             done = self._copy_some(source, offset, min(length, SPAN))
             if done == 0:
@@ -139,15 +150,14 @@ class _SpanWriter:
             self._advance(done)
 
     def _copy_some(self, source: int, offset: int, length: int) -> int:
-        if self._kernel_copy:
+        while True:
+            copier, refusals = COPIERS[self._copier]
             try:
-                return os.copy_file_range(source, self._dest, length, offset, self._end)
+                return copier(source, self._dest, offset, self._end, length)
             except OSError as exc:
-                if exc.errno not in _NO_KERNEL_COPY:
+                if exc.errno not in refusals:
                     raise
-                self._kernel_copy = False
-        os.lseek(self._dest, self._end, os.SEEK_SET)
-        return os.sendfile(self._dest, source, offset, length)
+                self._copier += 1
 
     def _advance(self, done: int) -> None:
         self._end += done
@@ -156,13 +166,49 @@ class _SpanWriter:
 
     def hash_landed(self) -> None:
         """Start writing back what landed since the last span, and hash it."""
-        if self._end == self._hashed:
+        start, end = self._hashed, self._end
+        if end == start:
             return
-        start_writeback(self._dest, self._hashed, self._end - self._hashed)
-        self._hasher.update(self._landed[self._hashed : self._end])
+        start_writeback(self._dest, start, end - start)
+        if self._landed is not None:
+            self._hasher.update(self._landed[start:end])
+        else:
+            self._hasher.update(_read_back(self._dest, start, end))
         if self._progress:
-            self._progress(self._end - self._hashed)
-        self._hashed = self._end
+            self._progress(end - start)
+        self._hashed = end
+
+
+def _kernel_copy(source: int, dest: int, offset: int, at: int, length: int) -> int:
+    return os.copy_file_range(source, dest, length, offset, at)
+
+
+def _sendfile(source: int, dest: int, offset: int, at: int, length: int) -> int:
+    os.lseek(dest, at, os.SEEK_SET)
+    return os.sendfile(dest, source, offset, length)
+
+
+def _read_write(source: int, dest: int, offset: int, at: int, length: int) -> int:
+    data = os.pread(source, length, offset)
+    return os.pwrite(dest, data, at) if data else 0
+
+
+COPIERS = (
+    (_kernel_copy, {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}),
+    (_sendfile, {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}),
+    (_read_write, set()),
+)
+"""Ways to copy a run, in order, each with the errors that mean "not between these files":
+`copy_file_range` (one filesystem: may share extents or copy on the server), `sendfile`
+(any two files whose filesystems can splice), and a plain read and write."""
+
+
+def _read_back(dest: int, start: int, end: int) -> bytes:
+    """The bytes the file holds in [start, end), read back from the page cache."""
+    data = os.pread(dest, end - start, start)
+    if len(data) != end - start:
+        raise OSError(errno.EIO, "the new blob file is shorter than what was written into it")
+    return data
 
 
 def _short_source(offset: int) -> FlareError:

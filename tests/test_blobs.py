@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import io
+import mmap
 import multiprocessing
 import os
 import shutil
 import stat
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -326,6 +328,41 @@ def test_put_pieces_stores_exactly_the_concatenation(
     assert result.size == len(expected)
     assert result.digest == Digest(blake3(expected).hexdigest())
     assert store.read_bytes(result.digest) == expected
+
+
+def test_put_pieces_falls_back_where_the_kernel_cannot_copy_or_map(
+    tmp_path: Path, small_fs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem pair that refuses both kernel copies (FUSE, say), under a store that
+    cannot be memory-mapped (CIFS without a cache): plain reads and writes, a read-back
+    hash, the same blob. (The refusals are injected: no such filesystem mounts here.)"""
+    source = small_fs / "weights.bin"
+    data = os.urandom(1 << 20)
+    source.write_bytes(data)
+
+    def refuse(code: int) -> Callable[..., object]:
+        def call(*_args: object, **_kwargs: object) -> object:
+            raise OSError(code, os.strerror(code))
+
+        return call
+
+    anonymous = mmap.mmap
+
+    def map_no_file(fileno: int, *args: object, **kwargs: object) -> mmap.mmap:
+        if fileno != -1:
+            refuse(errno.ENODEV)()
+        return anonymous(fileno, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "sendfile", refuse(errno.EINVAL))
+    monkeypatch.setattr(mmap, "mmap", map_no_file)
+    store = BlobStore(tmp_path / "store")
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        result = store.put_pieces([b"h", FileRuns(fd, 0, 1, 0, len(data))])
+    finally:
+        os.close(fd)
+    assert result.digest == Digest(blake3(b"h" + data).hexdigest())
+    assert store.read_bytes(result.digest) == b"h" + data
 
 
 def test_put_pieces_refuses_a_source_shorter_than_its_runs(
