@@ -31,6 +31,12 @@ SPAN = 16 << 20
 the disk busy, small enough to be hashed while they are still in the CPU's reach."""
 
 
+SHORT_ROW = 1 << 20
+"""Runs shorter than this (a tensor sliced along a later dimension, row by row) are read into
+a buffer and written a span at a time: a kernel copy costs about 20 µs a call whatever its
+length (2 KiB rows: 0.1 GB/s), a read about 3 µs (docs/performance.md)."""
+
+
 class FileRuns(NamedTuple):
     """`rows` runs of `length` bytes of an open file, `stride` apart, from `offset`: a whole
     tensor is one run; a slice along a later dimension is one run per row."""
@@ -104,6 +110,8 @@ def splice_hashing(pieces: Sequence[Piece], dest: int, progress: Progress | None
         for piece in pieces:
             if isinstance(piece, bytes):
                 writer.write(piece)
+            elif piece.rows > 1 and piece.length < SHORT_ROW:
+                writer.gather(piece)
             else:
                 for row in range(piece.rows):
                     writer.copy(piece.fd, piece.offset + row * piece.stride, piece.length)
@@ -133,7 +141,7 @@ class _SpanWriter:
         self._copier = 0
         """Index in COPIERS of the first way of copying this filesystem pair has not refused."""
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
         while view:
             done = os.pwrite(self._dest, view, self._end)
@@ -148,6 +156,19 @@ class _SpanWriter:
                 raise _short_source(offset)
             offset, length = offset + done, length - done
             self._advance(done)
+
+    def gather(self, runs: FileRuns) -> None:
+        """Short rows: read into a buffer with one read each, written a span at a time."""
+        per_span = max(1, SPAN // runs.length)
+        buffer = memoryview(bytearray(min(runs.rows, per_span) * runs.length))
+        for first in range(0, runs.rows, per_span):
+            count = min(per_span, runs.rows - first)
+            for index in range(count):
+                start = runs.offset + (first + index) * runs.stride
+                row = buffer[index * runs.length : (index + 1) * runs.length]
+                if os.preadv(runs.fd, [row], start) != runs.length:
+                    raise _short_source(start)
+            self.write(buffer[: count * runs.length])
 
     def _copy_some(self, source: int, offset: int, length: int) -> int:
         while True:

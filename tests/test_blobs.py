@@ -319,12 +319,17 @@ def test_put_pieces_stores_exactly_the_concatenation(
     store = BlobStore(location, encoding)
     fd = os.open(source, os.O_RDONLY)
     try:
-        pieces = [b"header", FileRuns(fd, 100, 1, 0, 2 << 20), FileRuns(fd, 7, 300, 4096, 1000)]
+        short_rows = FileRuns(fd, 7, 300, 4096, 1000)  # read row by row into a buffer
+        long_rows = FileRuns(fd, 9, 2, 3 << 19, 5 << 18)  # a kernel copy per row
+        pieces = [b"header", FileRuns(fd, 100, 1, 0, 2 << 20), short_rows, long_rows]
         result = store.put_pieces(pieces)
     finally:
         os.close(fd)
-    rows = b"".join(data[7 + r * 4096 : 7 + r * 4096 + 1000] for r in range(300))
-    expected = b"header" + data[100 : 100 + (2 << 20)] + rows
+    expected = b"header" + data[100 : 100 + (2 << 20)]
+    for runs in (short_rows, long_rows):
+        for row in range(runs.rows):
+            start = runs.offset + row * runs.stride
+            expected += data[start : start + runs.length]
     assert result.size == len(expected)
     assert result.digest == Digest(blake3(expected).hexdigest())
     assert store.read_bytes(result.digest) == expected
