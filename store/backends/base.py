@@ -90,8 +90,8 @@ class Backend(Protocol):
         """The names directly under a folder (files and folders), sorted; [] if it is absent."""
 
     def stat_folder(self, prefix: str, skip: set[str]) -> list[tuple[str, int, float]]:
-        """Size and modification time of each file directly under a folder whose name is not
-        in `skip` (empty if the folder is absent): gc's sweep, which skips the live blobs
+        """(name, size, modification time) of each file directly under a folder whose name is
+        not in `skip` (empty if the folder is absent): gc's sweep, which skips the live blobs
         before any per-file work, as one detailed listing where the store has one."""
 
     def stat(self, key: str) -> tuple[int, float] | None:
