@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from flare.build.faults import crash_point
-from flare.build.journal import Journal, inputs_digest
-from flare.build.payloads import payload_stream
+from flare.build.journal import Journal
+from flare.build.payloads import payload_key, payload_stream, store_payload
 from flare.build.pipeline import PhaseReport
 from flare.build.plan import PlannedPayload
 from flare.build.ranks import TAG_DOWN, TAG_UP, TOKEN_DIR
@@ -29,11 +29,11 @@ from flare.build.rendezvous import Rendezvous
 from flare.build.sources import Source, resolve_source
 from flare.build.statcache import StatCache, digest_files
 from flare.registry.leases import Lease, add_to_lease, hold_lease
-from flare.store.blobs import BlobStore
+from flare.store.blobs import BlobStore, PutResult
 from flare.store.digest import Digest
 from flare.store.encoding import Encoding
 from flare.store.errors import FlareError, IntegrityError, NotFoundError
-from flare.store.hashing import FileState, check_unchanged, parallel_map
+from flare.store.hashing import FileState, parallel_map
 
 LOCAL_MODES = ("require", "prefer")
 
@@ -213,10 +213,14 @@ class Join:
 
     def _payload(self, index: int, payload: PlannedPayload, size: int) -> None:
         assert self.rendezvous is not None
-        with self._bytes_of(payload, size) as stream:
-            record = self._deliver(stream, size)
+        if self.source is not None and self.store is not None:  # file to file, as rank 0 does
+            root, progress = self.source.root, self.events.advance
+            record = self._stored(store_payload(self.store, payload, root, self.states, progress))
+        else:
+            with self._bytes_of(payload, size) as stream:
+                record = self._deliver(stream, size)
         if self.store is not None:
-            self.journal.put("payload", _key(payload), record)
+            self.journal.put("payload", payload_key(payload), record)
         crash_point("join:payload")  # stored and journaled, not yet reported
         with self._counting:
             self.counts["written"] += 1
@@ -231,7 +235,7 @@ class Join:
             return {}
         found = {}
         for index, payload in enumerate(plan):
-            record = self.journal.get("payload", _key(payload))
+            record = self.journal.get("payload", payload_key(payload))
             if record is not None and self.store.has(Digest.parse(record["digest"])):
                 found[index] = record
         return found
@@ -243,11 +247,8 @@ class Join:
         if self.source is None:
             yield self.rendezvous.receive_stream(0, size, TAG_DOWN)
             return
-        paths = {t.source.file: self.source.root / t.source.file for t in payload.tensors}
-        self._check_sources(paths)
-        with payload_stream(payload, paths) as reader:
+        with payload_stream(payload, self.source.root, self.states) as reader:
             yield reader
-        self._check_sources(paths)
 
     def _deliver(self, stream: Any, size: int) -> dict[str, Any]:
         """Into the shared store, or over to rank zero; the digest of the bytes either way."""
@@ -255,23 +256,19 @@ class Join:
         if self.store is None:
             digest = self.rendezvous.send_stream(stream, size, 0, TAG_UP, self.events.advance)
             return {"digest": str(Digest(digest)), "size": size}
-        result = self.store.put_stream(stream, size, progress=self.events.advance)
+        return self._stored(self.store.put_stream(stream, size, progress=self.events.advance))
+
+    def _stored(self, result: PutResult) -> dict[str, Any]:
+        """A payload now in the shared store: held by this rank's lease, and its record."""
+        assert self.store is not None
         if self.lease is not None:
             add_to_lease(self.store, self.lease, result.digest)
         return {"digest": str(result.digest), "size": result.size}
-
-    def _check_sources(self, paths: dict[str, Path]) -> None:
-        for name, path in paths.items():
-            check_unchanged(path, self.states[name], FileState.of(path.stat()))
 
     def _finish(self, name: str, started: float, nbytes: int, status: str = "done") -> None:
         report = PhaseReport(name, status, time.perf_counter() - started, nbytes)
         self.phases.append(report)
         self.events.phase_finished(report)
-
-
-def _key(payload: PlannedPayload) -> Digest:
-    return inputs_digest("payload", payload.describe())
 
 
 _HINT = (

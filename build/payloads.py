@@ -13,10 +13,12 @@ from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+from flare.build.journal import inputs_digest
 from flare.build.plan import PlannedPayload
 from flare.store.blobs import BlobStore, PutResult
+from flare.store.digest import Digest
 from flare.store.errors import from_os_error
-from flare.store.hashing import Progress
+from flare.store.hashing import FileState, Progress, check_unchanged
 from flare.store.safetensors import encode_header
 from flare.store.splice import FileRuns, Piece, PiecesReader
 
@@ -27,34 +29,57 @@ def planned_size(payload: PlannedPayload) -> int:
     return len(header) + sum(t.spec.nbytes for t in payload.tensors)
 
 
+def payload_key(payload: PlannedPayload) -> Digest:
+    """The journal key of one payload: what its bytes are made of (ranks share it)."""
+    return inputs_digest("payload", payload.describe())
+
+
 @contextmanager
-def payload_pieces(payload: PlannedPayload, files: Mapping[str, Path]) -> Iterator[list[Piece]]:
-    """The payload as pieces: its header, then each tensor's runs of its (open) source file."""
+def payload_pieces(
+    payload: PlannedPayload, root: Path, states: Mapping[str, FileState]
+) -> Iterator[list[Piece]]:
+    """The payload as pieces: its header, then each tensor's runs of its (open) source file
+    under `root`. Each source must still be the file resolve hashed (`states`), before the
+    bytes are read and after: else the manifest's source digests would lie."""
+    paths = {t.source.file: root / t.source.file for t in payload.tensors}
+    _check_unchanged(paths, states)
     with ExitStack() as stack:
         fds: dict[str, int] = {}
         pieces: list[Piece] = [encode_header([t.spec for t in payload.tensors], {})]
         for tensor in payload.tensors:
             name = tensor.source.file
             if name not in fds:
-                fds[name] = _open(files[name])
+                fds[name] = _open(paths[name])
                 stack.callback(os.close, fds[name])
             pieces.append(FileRuns(fds[name], *tensor.regions()))
         yield pieces
+    _check_unchanged(paths, states)
 
 
 @contextmanager
-def payload_stream(payload: PlannedPayload, files: Mapping[str, Path]) -> Iterator[PiecesReader]:
-    """The payload's bytes as one stream (`.size` long), for a peer that has no checkpoint."""
-    with payload_pieces(payload, files) as pieces:
+def payload_stream(
+    payload: PlannedPayload, root: Path, states: Mapping[str, FileState]
+) -> Iterator[PiecesReader]:
+    """The payload's bytes as one stream (`.size` long): for another rank, or a peer's store."""
+    with payload_pieces(payload, root, states) as pieces:
         yield PiecesReader(pieces)
 
 
 def store_payload(
-    store: BlobStore, payload: PlannedPayload, files: Mapping[str, Path], progress: Progress
+    store: BlobStore,
+    payload: PlannedPayload,
+    root: Path,
+    states: Mapping[str, FileState],
+    progress: Progress,
 ) -> PutResult:
-    """Write the payload into the store as one blob."""
-    with payload_pieces(payload, files) as pieces:
+    """Write the payload into the store as one blob (file to file where the store allows)."""
+    with payload_pieces(payload, root, states) as pieces:
         return store.put_pieces(pieces, progress)
+
+
+def _check_unchanged(paths: Mapping[str, Path], states: Mapping[str, FileState]) -> None:
+    for name, path in paths.items():
+        check_unchanged(path, states[name], FileState.of(path.stat()))
 
 
 def _open(path: Path) -> int:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from flare.build.checkpoint import SourceTensor, read_config, read_tensors, weight_files
 from flare.build.faults import crash_point
 from flare.build.journal import Journal, inputs_digest
-from flare.build.payloads import planned_size, store_payload
+from flare.build.payloads import payload_key, planned_size, store_payload
 from flare.build.plan import PAYLOAD_BYTES, PlannedPayload, plan_payloads
 from flare.build.ranks import Leader
 from flare.build.recipes import recipe_for
@@ -30,7 +30,7 @@ from flare.registry.leases import Lease, add_to_lease, hold_lease
 from flare.registry.registry import Registry
 from flare.store.digest import Digest
 from flare.store.errors import IntegrityError, InvalidInputError
-from flare.store.hashing import FileState, check_unchanged, hash_bytes, parallel_map
+from flare.store.hashing import FileState, hash_bytes, parallel_map
 from flare.store.package import (
     FORMAT_VERSION,
     RUNTIME_ABI,
@@ -321,7 +321,7 @@ class Build:
 
     def recorded_entry(self, payload: PlannedPayload, size: int) -> dict[str, Any] | None:
         """The payload's entry from its journal record, if its blob is still stored."""
-        record = self.journal.get("payload", _payload_key(payload)) if self.reuse else None
+        record = self.journal.get("payload", payload_key(payload)) if self.reuse else None
         if record is None:
             return None
         self._keep(Digest.parse(record["digest"]))
@@ -332,28 +332,18 @@ class Build:
 
     def fresh_entry(self, payload: PlannedPayload, size: int) -> dict[str, Any]:
         """One payload blob copied from the source into the store, then recorded."""
-        paths = self.source_paths(payload)
-        self.check_sources(paths)
-        result = store_payload(self.store, payload, paths, self.events.advance)
-        self.check_sources(paths)
+        assert self.source is not None
+        result = store_payload(
+            self.store, payload, self.source.root, self.states, self.events.advance
+        )
         return self.record_entry(payload, str(result.digest), result.size)
 
     def record_entry(self, payload: PlannedPayload, digest: str, size: int) -> dict[str, Any]:
         """Journal a stored payload (it is kept from gc) and return its manifest entry."""
         self._keep(Digest.parse(digest))
-        self.journal.put("payload", _payload_key(payload), {"digest": digest, "size": size})
+        self.journal.put("payload", payload_key(payload), {"digest": digest, "size": size})
         crash_point("assemble:payload")
         return payload.manifest_entry(digest, size)
-
-    def source_paths(self, payload: PlannedPayload) -> dict[str, Path]:
-        """The source files a payload's bytes come from, by their names in the checkpoint."""
-        assert self.source is not None
-        return {t.source.file: self.source.root / t.source.file for t in payload.tensors}
-
-    def check_sources(self, paths: dict[str, Path]) -> None:
-        """The files read must still be the files hashed: else the manifest would lie."""
-        for name, path in paths.items():
-            check_unchanged(path, self.states[name], FileState.of(path.stat()))
 
     def _keep(self, digest: Digest) -> None:
         """Name a blob this build uses in its lease, so a concurrent gc keeps it."""
@@ -463,10 +453,6 @@ class Build:
 
     def _inputs_digest(self, files: dict, recipe: Recipe) -> Digest:
         return hash_bytes(canonical_json(self._build_inputs(files, recipe)).encode())
-
-
-def _payload_key(payload: PlannedPayload) -> Digest:
-    return inputs_digest("payload", payload.describe())
 
 
 def _recipe_id(recipe: Recipe) -> dict[str, Any]:

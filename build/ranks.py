@@ -184,11 +184,8 @@ class Leader:
         """Stream a peer without a checkpoint the bytes of each payload it owns, in order."""
         assert build.source is not None
         for i in indices:
-            paths = build.source_paths(plan[i])
-            build.check_sources(paths)
-            with payload_stream(plan[i], paths) as reader:
+            with payload_stream(plan[i], build.source.root, build.states) as reader:
                 self.rendezvous.send_stream(reader, sizes[i], rank, TAG_DOWN, lambda _n: None)
-            build.check_sources(paths)
 
     def _gather(
         self,
