@@ -42,22 +42,35 @@ class GcReport:
     """Marks files of swept packages, removed."""
 
 
-def roots(registry: Registry) -> tuple[set[Digest], float | None]:
-    """Package digests that must stay, and the earliest start of a live build lease."""
-    store = registry.store
-    found: set[Digest] = set()
-    for name in refs.names(store):
-        found.update(refs.tags_of(store, name).values())
-        found.update(refs.pins_of(store, name))
-    leases = live_leases(store)
-    found.update(Digest.parse(d) for lease in leases for d in lease.packages)
-    starts = [lease.since for lease in leases if lease.since is not None]
-    return found, min(starts) if starts else None
+@dataclass(frozen=True)
+class Roots:
+    """What must stay, read from the store's refs and its live leases (read once each)."""
 
-
-def leased_blobs(registry: Registry) -> set[str]:
+    packages: set[Digest]
+    """Tagged, pinned and leased packages."""
+    blobs: set[str]
     """Single blobs live leases hold, as hex digests."""
-    return {Digest.parse(d).hex for lease in live_leases(registry.store) for d in lease.blobs}
+    build_start: float | None
+    """The earliest start of a live build lease: blobs touched since then stay."""
+
+    def old_before(self, grace_cutoff: float) -> float:
+        """The time a blob must be untouched since to go: the grace period's start, or the
+        start of the earliest live build lease if that is earlier (the build may need it)."""
+        return grace_cutoff if self.build_start is None else min(grace_cutoff, self.build_start)
+
+
+def roots(registry: Registry) -> Roots:
+    """The roots as they are now."""
+    store = registry.store
+    packages: set[Digest] = set()
+    for name in refs.names(store):
+        packages.update(refs.tags_of(store, name).values())
+        packages.update(refs.pins_of(store, name))
+    leases = live_leases(store)
+    packages.update(Digest.parse(d) for lease in leases for d in lease.packages)
+    blobs = {Digest.parse(d).hex for lease in leases for d in lease.blobs}
+    starts = [lease.since for lease in leases if lease.since is not None]
+    return Roots(packages, blobs, min(starts) if starts else None)
 
 
 def mark(registry: Registry, packages: set[Digest], keep: bool) -> set[str]:
@@ -75,14 +88,15 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     """Mark from the roots, then sweep unreachable blobs older than the grace period."""
     started = time.time()
     report = GcReport(dry_run=dry_run)
-    packages, build_start = roots(registry)
-    marked = mark(registry, packages, keep=not dry_run) | leased_blobs(registry)
-    old_before = _old_before(started - grace_s, build_start)
+    found = roots(registry)
+    marked = mark(registry, found.packages, keep=not dry_run)
+    marked.update(found.blobs)
+    old_before = found.old_before(started - grace_s)
     checked_at = time.monotonic()
     for hex_digest, key, size, modified in registry.store.unmarked(marked):
         if time.monotonic() - checked_at > REREAD_ROOTS_S:
-            packages, build_start = _reread(registry, packages, marked, not dry_run)
-            old_before, checked_at = _old_before(started - grace_s, build_start), time.monotonic()
+            found = _reread(registry, found, marked, not dry_run)
+            old_before, checked_at = found.old_before(started - grace_s), time.monotonic()
         if hex_digest in marked:
             continue
         if modified < old_before and not dry_run:
@@ -97,7 +111,7 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
         report.freed_bytes += size
         if not dry_run:
             registry.store.backend.remove(key)
-    report.roots, report.marked = len(packages), len(marked)
+    report.roots, report.marked = len(found.packages), len(marked)
     if not dry_run:
         report.forgotten = _forget_swept(registry, set(report.deleted))
         report.signatures = signatures.drop_orphans(registry.store)
@@ -107,19 +121,13 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     return report
 
 
-def _old_before(grace_cutoff: float, build_start: float | None) -> float:
-    """The time a blob must be untouched since to go: the grace period's start, or the start
-    of the earliest live build lease if that is earlier (the build may still need it)."""
-    return grace_cutoff if build_start is None else min(grace_cutoff, build_start)
-
-
-def _reread(
-    registry: Registry, packages: set[Digest], marked: set[str], keep: bool
-) -> tuple[set, float]:
-    """Roots added since the mark (a new tag, a new lease) protect their blobs too."""
-    fresh, build_start = roots(registry)
-    marked.update(mark(registry, fresh - packages, keep) | leased_blobs(registry))
-    return packages | fresh, build_start  # type: ignore[return-value]
+def _reread(registry: Registry, found: Roots, marked: set[str], keep: bool) -> Roots:
+    """Roots added since the mark (a new tag, a new lease) protect their blobs too; the
+    result holds every root seen so far."""
+    fresh = roots(registry)
+    marked.update(mark(registry, fresh.packages - found.packages, keep))
+    marked.update(fresh.blobs)
+    return Roots(found.packages | fresh.packages, found.blobs | fresh.blobs, fresh.build_start)
 
 
 def _forget_swept(registry: Registry, deleted: set[str]) -> list[str]:

@@ -614,7 +614,7 @@ def explain_gc(registry: Registry, blobs: Path, find_s: float) -> list[str]:
     """Where a collection's time goes: its stages one by one, then a profile of it."""
     log("profiling gc")
     store = registry.store
-    packages, _start = gc.roots(registry)
+    packages = gc.roots(registry).packages
     marked = gc.mark(registry, packages, keep=False)
     keys = list(store.backend.iter_names(BLOB_DIR))
     candidates = list(store.unmarked(marked))
