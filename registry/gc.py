@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 
 from flare.registry import marks, refs, signatures
 from flare.registry.leases import drop_expired_leases, live_leases
+from flare.registry.marks import Marked
 from flare.registry.registry import Registry
 from flare.store.digest import Digest
+from flare.store.sweep import unmarked
 
 REREAD_ROOTS_S = 0.2
 
@@ -73,15 +75,12 @@ def roots(registry: Registry) -> Roots:
     return Roots(packages, blobs, min(starts) if starts else None)
 
 
-def mark(registry: Registry, packages: set[Digest], keep: bool) -> set[str]:
-    """The hex digest of every blob the packages need, indexes included (missing packages
-    mark nothing), from their marks files or their verified indexes; `keep` writes the marks
+def mark(registry: Registry, packages: set[Digest], keep: bool) -> list[bytes]:
+    """Every blob the packages need, indexes included (missing packages mark nothing), as the
+    sorted lines of their marks files or of their verified indexes; `keep` writes the marks
     files that were missing."""
-    marked: set[str] = set()
-    for digest in packages:
-        if registry.store.has(digest):
-            marked.update(marks.package_blobs(registry.store, digest, keep))
-    return marked
+    store = registry.store
+    return [marks.package_blobs(store, d, keep) for d in packages if store.has(d)]
 
 
 def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcReport:
@@ -89,29 +88,31 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     started = time.time()
     report = GcReport(dry_run=dry_run)
     found = roots(registry)
-    marked = mark(registry, found.packages, keep=not dry_run)
-    marked.update(found.blobs)
+    marked = Marked(mark(registry, found.packages, keep=not dry_run), found.blobs)
+    since: set[str] = set()  # reached by roots that came during the sweep
     old_before = found.old_before(started - grace_s)
     checked_at = time.monotonic()
-    for hex_digest, key, size, modified in registry.store.unmarked(marked):
-        if time.monotonic() - checked_at > REREAD_ROOTS_S:
-            found = _reread(registry, found, marked, not dry_run)
-            old_before, checked_at = found.old_before(started - grace_s), time.monotonic()
-        if hex_digest in marked:
-            continue
-        if modified < old_before and not dry_run:
-            stat = registry.store.backend.stat(key)  # again, just before the delete
-            if stat is None:
-                continue  # another collector got there first
-            size, modified = stat
-        if modified >= old_before:
-            report.kept_recent += 1
-            continue
-        report.deleted.append(f"blake3:{hex_digest}")
-        report.freed_bytes += size
-        if not dry_run:
-            registry.store.backend.remove(key)
-    report.roots, report.marked = len(found.packages), len(marked)
+    for share in unmarked(registry.store, marked.in_folder):
+        report.marked += share.marked
+        for hex_digest, key, size, modified in share.unmarked:
+            if time.monotonic() - checked_at > REREAD_ROOTS_S:
+                found = _reread(registry, found, since, not dry_run)
+                old_before, checked_at = found.old_before(started - grace_s), time.monotonic()
+            if hex_digest in since:
+                continue
+            if modified < old_before and not dry_run:
+                stat = registry.store.backend.stat(key)  # again, just before the delete
+                if stat is None:
+                    continue  # another collector got there first
+                size, modified = stat
+            if modified >= old_before:
+                report.kept_recent += 1
+                continue
+            report.deleted.append(f"blake3:{hex_digest}")
+            report.freed_bytes += size
+            if not dry_run:
+                registry.store.backend.remove(key)
+    report.roots = len(found.packages)
     if not dry_run:
         report.forgotten = _forget_swept(registry, set(report.deleted))
         report.signatures = signatures.drop_orphans(registry.store)
@@ -121,12 +122,13 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     return report
 
 
-def _reread(registry: Registry, found: Roots, marked: set[str], keep: bool) -> Roots:
-    """Roots added since the mark (a new tag, a new lease) protect their blobs too; the
-    result holds every root seen so far."""
+def _reread(registry: Registry, found: Roots, since: set[str], keep: bool) -> Roots:
+    """Roots added since the mark (a new tag, a new lease) protect their blobs too: they join
+    `since`. The result holds every root seen so far."""
     fresh = roots(registry)
-    marked.update(mark(registry, fresh.packages - found.packages, keep))
-    marked.update(fresh.blobs)
+    for body in mark(registry, fresh.packages - found.packages, keep):
+        since.update(body.decode("ascii").split())
+    since.update(fresh.blobs)
     return Roots(found.packages | fresh.packages, found.blobs | fresh.blobs, fresh.build_start)
 
 

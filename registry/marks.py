@@ -13,11 +13,13 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from flare.store.blobs import BlobStore
-from flare.store.digest import Digest
+from flare.store.digest import HEX_LENGTH, Digest
 from flare.store.hashing import hash_bytes
 
 MARKS_DIR = "marks"
 CHECKSUM = b"blake3:"
+LINE = HEX_LENGTH + 1
+"""A line of a marks file: a hex digest and a newline."""
 
 
 def marks_key(digest: Digest) -> str:
@@ -26,20 +28,20 @@ def marks_key(digest: Digest) -> str:
 
 def encode_marks(blobs: set[str]) -> bytes:
     """The file's bytes: sorted lines, then the checksum of those lines."""
-    body = "".join(f"{hex_digest}\n" for hex_digest in sorted(blobs)).encode("ascii")
+    body = _body(blobs)
     return body + CHECKSUM + hash_bytes(body).hex.encode("ascii") + b"\n"
 
 
-def decode_marks(data: bytes) -> list[str] | None:
-    """The blobs as written (sorted), or None unless the checksum matches (a torn or edited
-    file). A list, not a set: gc adds every package's blobs to one set of its own."""
+def decode_marks(data: bytes) -> bytes | None:
+    """The sorted lines as written (LINE bytes each), or None unless the checksum matches (a
+    torn or edited file). Bytes, not strings: a sweep share decodes only its own folders'
+    lines (Marked.in_folder)."""
     body, found, checksum = data.rpartition(CHECKSUM)
     if not found or checksum != hash_bytes(body).hex.encode("ascii") + b"\n":
         return None
-    try:
-        return body.decode("ascii").split()
-    except UnicodeDecodeError:
+    if len(body) % LINE or not body.isascii():
         return None  # not a file flare wrote
+    return body
 
 
 def write_marks(store: BlobStore, digest: Digest, blobs: set[str]) -> None:
@@ -48,12 +50,12 @@ def write_marks(store: BlobStore, digest: Digest, blobs: set[str]) -> None:
     store.backend.write_atomic(marks_key(digest), encode_marks(blobs))
 
 
-def package_blobs(store: BlobStore, digest: Digest, keep: bool) -> list[str]:
-    """Hex digests of every blob a stored package needs, its index included, sorted: from its
-    marks file, else from its index (verified against its digest), then kept if `keep`."""
+def package_blobs(store: BlobStore, digest: Digest, keep: bool) -> bytes:
+    """The sorted marks lines of every blob a stored package needs, its index included: from
+    its marks file, else from its index (verified against its digest), then kept if `keep`."""
     data = store.backend.read(marks_key(digest))
     listed = decode_marks(data) if data is not None else None
-    if listed is not None and _holds(listed, digest.hex):
+    if listed is not None and _line(listed, digest.hex) is not None:
         return listed
     from flare.store.package import referenced_blobs  # pydantic: not for listing commands
 
@@ -61,13 +63,46 @@ def package_blobs(store: BlobStore, digest: Digest, keep: bool) -> list[str]:
     blobs = referenced_blobs(index, f"package {digest.short()}") | {digest.hex}
     if keep:
         write_marks(store, digest, blobs)
-    return sorted(blobs)
+    return _body(blobs)
 
 
-def _holds(listed: list[str], hex_digest: str) -> bool:
-    """Whether a sorted list holds the digest (a marks file always holds its own index)."""
-    at = bisect_left(listed, hex_digest)
-    return at < len(listed) and listed[at] == hex_digest
+class Marked:
+    """The blobs a collection's roots reach: the sorted marks lines of each package, kept as
+    bytes and decoded one fan-out folder at a time by the sweep share that lists that folder
+    (store/sweep.py), and single digests (blobs that leases hold)."""
+
+    def __init__(self, bodies: list[bytes], loose: set[str]) -> None:
+        self.bodies = bodies
+        self.loose: dict[str, list[str]] = {}
+        for hex_digest in loose:
+            self.loose.setdefault(hex_digest[:2], []).append(hex_digest)
+
+    def in_folder(self, folder: str) -> list[list[str]]:
+        """The marked digests in one fan-out folder: one list per marks file, and the single
+        digests there. Hex digits sort before "g", so `folder + "g"` ends the folder's lines."""
+        found = [self.loose.get(folder, [])]
+        for body in self.bodies:
+            start, end = _first_line(body, folder), _first_line(body, f"{folder}g")
+            found.append(body[start:end].decode("ascii").split())
+        return found
+
+
+def _body(blobs: set[str]) -> bytes:
+    return "".join(f"{hex_digest}\n" for hex_digest in sorted(blobs)).encode("ascii")
+
+
+def _first_line(body: bytes, prefix: str) -> int:
+    """The offset of the first line not sorted before `prefix`."""
+    wanted = prefix.encode("ascii")
+    lines = range(len(body) // LINE)
+    at = bisect_left(lines, wanted, key=lambda i: body[i * LINE : i * LINE + len(wanted)])
+    return at * LINE
+
+
+def _line(body: bytes, hex_digest: str) -> int | None:
+    """The offset of the line holding the digest, or None (a marks file holds its own index)."""
+    at = _first_line(body, hex_digest)
+    return at if body[at : at + LINE - 1] == hex_digest.encode("ascii") else None
 
 
 def drop_orphans(store: BlobStore) -> list[str]:

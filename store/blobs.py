@@ -56,11 +56,6 @@ LARGE_BLOB = 64 << 20
 """Blobs this large are hashed one at a time, each on all threads (as b3sum does)."""
 
 
-Unmarked = tuple[str, str, int, float]
-"""A blob gc's mark did not reach, as its sweep listed it: hex digest, key, size, time (a
-plain tuple: gc's sweep makes one per unreachable blob)."""
-
-
 @dataclass(frozen=True)
 class PutResult:
     """What a put stored: the digest, the plain size, and how the bytes got there."""
@@ -263,21 +258,6 @@ class BlobStore:
             except InvalidInputError:
                 continue
         return gone
-
-    def unmarked(self, marked: set[str]) -> Iterator[Unmarked]:
-        """Every stored blob whose digest is not in `marked`, with its size and time as listed.
-
-        gc's sweep: each fan-out folder's names are dropped by one set difference with the
-        marked digests, so a live blob costs no Python work at all (a stray file named like
-        a live blob is kept, which is safe); only the rest are stat-ed and parsed. One
-        thread: with the GIL, threads made it slower (docs/performance.md).
-        """
-        for folder in self.backend.list_dir(BLOB_DIR):
-            prefix = f"{BLOB_DIR}/{folder}"
-            for name, size, modified in self.backend.stat_folder(prefix, marked):
-                parsed = blob_file(folder, name)
-                if parsed is not None and parsed[0] not in marked:
-                    yield parsed[0], f"{prefix}/{name}", size, modified
 
     def iter_blobs(self, stray: list[str] | None = None) -> Iterator[BlobInfo]:
         """Every stored blob; files that are not blobs are appended to `stray` if given."""

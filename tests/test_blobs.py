@@ -22,6 +22,7 @@ from flare.store import BlobStore, Digest, Encoding
 from flare.store.blobs import blob_key
 from flare.store.errors import FlareError, IntegrityError, NotFoundError
 from flare.store.splice import FileRuns
+from flare.store.sweep import Reached, unmarked
 
 
 def stored_path(store: BlobStore, digest: Digest, encoding: Encoding = Encoding.PLAIN) -> Path:
@@ -397,12 +398,87 @@ def test_unmarked_lists_the_unreachable_blobs_with_size_and_time(
     if where == "local":
         folder = live.digest.hex[:2]
         Path(location, "blobs/blake3", folder, folder + "0" * 62).mkdir(parents=True)
-    found = {hex_digest: rest for hex_digest, *rest in store.unmarked({live.digest.hex})}
+
+    def reached(folder: str) -> list[list[str]]:
+        return [[live.digest.hex]] if folder == live.digest.hex[:2] else [[]]
+
+    shares = list(unmarked(store, reached))
+    found = {hex_digest: rest for share in shares for hex_digest, *rest in share.unmarked}
     assert sorted(found) == sorted([dead.digest.hex, other.digest.hex])
+    assert sum(share.marked for share in shares) == 1
     for result in (dead, other):
         key, size, modified = found[result.digest.hex]
         assert key == blob_key(result.digest, Encoding.PLAIN)
         assert (size, modified) == store.backend.stat(key)
+
+
+def _sweep_store(tmp_path: Path, encoding: Encoding) -> tuple[BlobStore, set[str], set[str]]:
+    """A store of 600 small blobs over most fan-out folders, a third of them live; one live
+    and one dead blob kept in the other encoding, as a store whose encoding changed holds."""
+    store = BlobStore(tmp_path / "store", encoding=encoding)
+    other = BlobStore(tmp_path / "store", encoding=next(e for e in Encoding if e is not encoding))
+    digests = [store.put_bytes(i.to_bytes(4, "big") * 16).digest.hex for i in range(600)]
+    digests += [other.put_bytes(f"other {i}".encode()).digest.hex for i in range(2)]
+    return store, set(digests[::3]), set(digests) - set(digests[::3])
+
+
+def _reached(live: set[str]) -> Reached:
+    def reached(folder: str) -> list[list[str]]:
+        return [sorted(d for d in live if d.startswith(folder)), []]
+
+    return reached
+
+
+@pytest.mark.parametrize("encoding", list(Encoding))
+def test_the_sweep_finds_the_same_in_any_number_of_processes(
+    encoding: Encoding, tmp_path: Path
+) -> None:
+    """Shares in forked children find exactly what one process finds: every dead blob with
+    its size and time, whatever its encoding, and every stored live blob counted as marked."""
+    store, live, dead = _sweep_store(tmp_path, encoding)
+    results = []
+    for processes in (1, 2, 5):
+        store.backend.sweep_processes = processes
+        shares = list(unmarked(store, _reached(live)))
+        assert len(shares) == processes
+        found = sorted(blob for share in shares for blob in share.unmarked)
+        results.append((sum(share.marked for share in shares), found))
+    assert results[0] == results[1] == results[2]
+    marked, found = results[0]
+    assert marked == len(live) and {hex_digest for hex_digest, *_ in found} == dead
+    for _, key, size, modified in found:
+        assert (size, modified) == store.backend.stat(key)
+
+
+def test_a_sweep_share_that_fails_in_its_child_is_done_again_here(tmp_path: Path) -> None:
+    """A child that fails (here: the mark raises there) costs nothing but time: the parent
+    does the share itself and the result is complete."""
+    store, live, dead = _sweep_store(tmp_path, Encoding.PLAIN)
+    store.backend.sweep_processes = 3
+    parent = os.getpid()
+    reached = _reached(live)
+
+    def fails_in_children(folder: str) -> list[list[str]]:
+        if os.getpid() != parent:
+            raise OSError(errno.EIO, "injected")
+        return reached(folder)
+
+    shares = list(unmarked(store, fails_in_children))
+    assert {hex_digest for share in shares for hex_digest, *_ in share.unmarked} == dead
+
+
+def test_a_sweep_stopped_early_leaves_no_child_behind(tmp_path: Path) -> None:
+    """A caller that stops after the first share (an error, a Ctrl-C) gets its children
+    killed and reaped: none is left running or as a zombie."""
+    store, live, _ = _sweep_store(tmp_path, Encoding.PLAIN)
+    store.backend.sweep_processes = 4
+    listing = Path(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/children")
+    before = listing.read_text().split()
+    sweep = unmarked(store, _reached(live))
+    next(sweep)
+    assert len(listing.read_text().split()) == len(before) + 3  # the other shares' children
+    sweep.close()
+    assert listing.read_text().split() == before
 
 
 def test_memory_backend_through_fsspec(tmp_path: Path) -> None:

@@ -53,6 +53,15 @@ def fill(registry: Registry, sources: Path, tmp_path: Path) -> dict[str, object]
     return {"a": a, "b": b, "old": old}
 
 
+def marked_lines(data: bytes) -> list[str]:
+    """The digests a marks file lists, if its checksum holds."""
+    from flare.registry import marks
+
+    body = marks.decode_marks(data)
+    assert body is not None
+    return body.decode("ascii").split()
+
+
 def test_ls_shows_what_users_ask_about(registry: Registry, sources: Path, tmp_path: Path) -> None:
     made = fill(registry, sources, tmp_path)
     rows = {(r.name, r.digest): r for r in registry.listings()}
@@ -255,7 +264,7 @@ def test_gc_reads_marks_files_and_never_trusts_a_bad_one(
     needed = {a.hex, *(d.hex for d in refs.read_manifest(registry.store, a).blobs())}
     path = registry.store.backend.local_path(marks.marks_key(a))
     assert path is not None  # written by publish:
-    assert marks.decode_marks(path.read_bytes()) == sorted(needed)
+    assert marked_lines(path.read_bytes()) == sorted(needed)
     # A marks file that lost a line, or whose checksum was recomputed without the index: the
     # collector reads the index instead and keeps every blob.
     lines = path.read_bytes().splitlines(keepends=True)
@@ -268,8 +277,28 @@ def test_gc_reads_marks_files_and_never_trusts_a_bad_one(
         assert collect(registry, grace_s=0, dry_run=True).deleted == []
         assert path.read_bytes() == bad  # a dry run writes nothing, not even a cache
         assert collect(registry, grace_s=0).deleted == []
-        assert marks.decode_marks(path.read_bytes()) == sorted(needed)  # rebuilt
+        assert marked_lines(path.read_bytes()) == sorted(needed)  # rebuilt
     assert registry.verify("alpha:latest").ok
+
+
+def test_marked_gives_each_fan_out_folder_exactly_its_digests() -> None:
+    """The sweep asks for one folder's marked digests at a time, from sorted marks lines cut
+    by binary search: every folder, the first and last included, gets all of its own digests
+    and no other, from every marks file and from the single (leased) digests."""
+    from flare.registry import marks
+
+    digests = [hash_bytes(str(i).encode()).hex for i in range(3000)]
+    digests += ["00" * 32, "ff" * 32, "0f" + "f" * 62, "f0" + "0" * 62]
+    packages = [set(digests[k::3]) for k in range(3)]
+    bodies = [marks.decode_marks(marks.encode_marks(blobs)) for blobs in packages]
+    assert all(body is not None for body in bodies)
+    loose = {hash_bytes(b"leased").hex, "ab" * 32}
+    marked = marks.Marked([b for b in bodies if b is not None], loose)
+    everything = set(digests) | loose
+    for folder in (f"{i:02x}" for i in range(256)):
+        found = [d for names in marked.in_folder(folder) for d in names]
+        assert sorted(found) == sorted(d for d in everything if d.startswith(folder))
+    assert marked.in_folder("tmp") == [[], [], [], []]
 
 
 def test_gc_removes_the_marks_of_swept_packages(

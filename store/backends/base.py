@@ -33,6 +33,8 @@ class Backend(Protocol):
 
     location: str
     stale_after_s: float
+    sweep_processes: int
+    """How many processes gc's sweep lists this store's folders with (store/sweep.py)."""
 
     def ensure(self) -> None:
         """Create the root and its working folders if they are missing."""
@@ -89,10 +91,13 @@ class Backend(Protocol):
     def list_dir(self, prefix: str) -> list[str]:
         """The names directly under a folder (files and folders), sorted; [] if it is absent."""
 
-    def stat_folder(self, prefix: str, skip: set[str]) -> list[tuple[str, int, float]]:
-        """(name, size, modification time) of each file directly under a folder whose name is
-        not in `skip` (empty if the folder is absent): gc's sweep, which skips the live blobs
-        before any per-file work, as one detailed listing where the store has one."""
+    def stat_folder(
+        self, prefix: str, skip: list[list[str]]
+    ) -> tuple[int, list[tuple[str, int, float]]]:
+        """How many names directly under a folder the `skip` lists hold, and (name, size,
+        modification time) of each other file there (0 and [] if the folder is absent): gc's
+        sweep, which drops the live blobs before any per-file work, as one detailed listing
+        where the store has one."""
 
     def stat(self, key: str) -> tuple[int, float] | None:
         """The file's size and modification time, or None when there is none."""

@@ -217,6 +217,10 @@ def temp_name() -> str:
     return f"{host}.{os.getpid()}.{secrets.token_hex(8)}.part"
 
 
+MAX_SWEEP_PROCESSES = 8
+"""gc's sweep is CPU work here (names, sets, stats): one process per core, up to this many."""
+
+
 class LocalBackend:
     """Files under a directory. Writers hold an flock on their temp file while they write."""
 
@@ -226,6 +230,7 @@ class LocalBackend:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.location = str(root)
+        self.sweep_processes = min(MAX_SWEEP_PROCESSES, len(os.sched_getaffinity(0)))
 
     def _path(self, key: str) -> Path:
         return self.root / key
@@ -388,16 +393,23 @@ class LocalBackend:
         except (FileNotFoundError, NotADirectoryError):
             return []
 
-    def stat_folder(self, prefix: str, skip: set[str]) -> list[tuple[str, int, float]]:
-        """One listing, one set difference, then a stat relative to the open folder for each
-        name left (no path walk per file); a name removed meanwhile is left out."""
+    def stat_folder(
+        self, prefix: str, skip: list[list[str]]
+    ) -> tuple[int, list[tuple[str, int, float]]]:
+        """One listing; the skipped names dropped from its set, list by list (no Python work
+        per skipped name); then a stat relative to the open folder for each name left (no
+        path walk per file). A name removed meanwhile is left out."""
         try:
             fd = os.open(f"{self.root}/{prefix}", os.O_RDONLY | os.O_DIRECTORY)
         except (FileNotFoundError, NotADirectoryError):
-            return []
+            return 0, []
         found = []
         try:
-            for name in set(os.listdir(fd)).difference(skip):
+            names = set(os.listdir(fd))
+            listed = len(names)
+            for listing in skip:
+                names.difference_update(listing)
+            for name in names:
                 try:
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:
@@ -406,7 +418,7 @@ class LocalBackend:
                     found.append((name, st.st_size, st.st_mtime))
         finally:
             os.close(fd)
-        return found
+        return listed - len(names), found
 
     def stat(self, key: str) -> tuple[int, float] | None:
         try:

@@ -24,6 +24,8 @@ class FsspecBackend:
 
     stale_after_s = 86400.0
     """Without locks, only age says a temp file was abandoned: wait a day."""
+    sweep_processes = 1
+    """An fsspec client (its event loop, its connections) may not survive a fork."""
 
     def __init__(self, url: str) -> None:
         try:
@@ -141,18 +143,22 @@ class FsspecBackend:
             return []
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
-    def stat_folder(self, prefix: str, skip: set[str]) -> list[tuple[str, int, float]]:
+    def stat_folder(
+        self, prefix: str, skip: list[list[str]]
+    ) -> tuple[int, list[tuple[str, int, float]]]:
         """One detailed listing gives every size and time: no request per file."""
         try:
             entries = self.fs.ls(self._path(prefix), detail=True)
         except FileNotFoundError:
-            return []
-        found = []
+            return 0, []
+        skipped, dropped, found = set().union(*skip), 0, []
         for info in entries:
             name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
-            if info.get("type") == "file" and name not in skip:
+            if name in skipped:
+                dropped += 1
+            elif info.get("type") == "file":
                 found.append((name, int(info["size"]), _modified(info) or 0.0))
-        return found
+        return dropped, found
 
     def stat(self, key: str) -> tuple[int, float] | None:
         try:

@@ -17,9 +17,11 @@ Everything is measured in one run, each case against a baseline timed in the sam
    that is collected regularly, then 0, everything garbage: the worst case). Timed:
    `collect(registry, grace_s=3600, dry_run=True)` (marks from the roots' marks files,
    lists every blob, stats every candidate for its age and size, keeps them all as recent)
-   and with grace 0 (would sweep them all). Baseline: `find STORE/blobs -type f | wc -l` in
-   a shell. Target: at most 2x. `find -printf '%s %T@'` (which stats every file, as gc must
-   for every unreachable one) is shown for reference, with gc's ratio to it.
+   and with grace 0 (would sweep them all); the sweep runs in one process per core (at most
+   8), and the first case is timed with one process too, for reference. Baseline:
+   `find STORE/blobs -type f | wc -l` in a shell. Target: at most 2x. `find -printf '%s %T@'`
+   (which stats every file, as gc must for every unreachable one) is shown for reference,
+   with gc's ratio to it.
 3. verify: one package built from a synthetic Llama checkpoint of about G GiB (default 1)
    with `flare build`. Timed: `Registry.verify("big")`. Baseline: `b3sum` over the same
    blob files (the index and every blob the manifest names). Target: at most 1.2x.
@@ -64,7 +66,9 @@ from common import flare_command, flare_env, scratch, timed
 
 from flare.build.tiny import make_synthetic_llama
 from flare.registry import gc, refs
+from flare.registry.marks import Marked
 from flare.registry.registry import Registry, default_database
+from flare.store.backends.local import MAX_SWEEP_PROCESSES
 from flare.store.blobs import BLOB_DIR, blob_key
 from flare.store.digest import Digest
 from flare.store.encoding import Encoding
@@ -82,6 +86,7 @@ from flare.store.package import (
     Toolchain,
     encode_index,
 )
+from flare.store.sweep import sweep_share, unmarked
 
 GIB = 1 << 30
 LS_TARGET_S = 0.5
@@ -568,8 +573,10 @@ def bench_gc(workdir: Path, count: int, repeat: int, live: float) -> Section:
     section.notes += populate_blobs(registry, count, live)
     blobs = location / BLOB_DIR
     section.notes += check_gc(registry, count_files(blobs))
-    keep = Timing("collect(grace_s=3600, dry_run=True)")
-    sweep = Timing("collect(grace_s=0, dry_run=True)")
+    processes = registry.store.backend.sweep_processes
+    keep = Timing(f"collect(grace_s=3600, dry_run=True), {processes} sweep processes")
+    sweep = Timing(f"collect(grace_s=0, dry_run=True), {processes} sweep processes")
+    single = Timing("ref: collect(grace_s=3600, dry_run=True), 1 sweep process")
     find = Timing("find STORE/blobs -type f | wc -l")
     find_stat = Timing("ref: find STORE/blobs -type f -printf '%s %T@\\n' | wc -l")
     log("timing gc")
@@ -577,12 +584,17 @@ def bench_gc(workdir: Path, count: int, repeat: int, live: float) -> Section:
         [
             (keep, lambda: gc.collect(registry, grace_s=3600, dry_run=True)),
             (sweep, lambda: gc.collect(registry, grace_s=0, dry_run=True)),
+            (single, lambda: collect_in_one_process(registry)),
             (find, shell(f"find {blobs} -type f | wc -l")),
             (find_stat, shell(f"find {blobs} -type f -printf '%s %T@\\n' | wc -l")),
         ],
         repeat,
     )
-    section.timings = [keep, sweep, find, find_stat]
+    section.timings = [keep, sweep, single, find, find_stat]
+    section.notes.append(
+        f"the sweep runs in {processes} processes (one per core, at most "
+        f"{MAX_SWEEP_PROCESSES}); in one process it takes {single.median / find.median:.2f}x find"
+    )
     section.notes.append(
         f"gc / find -printf (a stat per file): {keep.median / find_stat.median:.2f}x (grace "
         f"3600), {sweep.median / find_stat.median:.2f}x (grace 0)"
@@ -594,6 +606,12 @@ def bench_gc(workdir: Path, count: int, repeat: int, live: float) -> Section:
     if section.missed():
         section.diagnosis = explain_gc(registry, blobs, find.median)
     return section
+
+
+def collect_in_one_process(registry: Registry) -> object:
+    """A dry-run collection with grace 3600 whose sweep runs in this process only."""
+    with mock.patch.object(registry.store.backend, "sweep_processes", 1):
+        return gc.collect(registry, grace_s=3600, dry_run=True)
 
 
 def walk_names(top: Path) -> int:
@@ -614,18 +632,23 @@ def explain_gc(registry: Registry, blobs: Path, find_s: float) -> list[str]:
     """Where a collection's time goes: its stages one by one, then a profile of it."""
     log("profiling gc")
     store = registry.store
-    packages = gc.roots(registry).packages
-    marked = gc.mark(registry, packages, keep=False)
+    found = gc.roots(registry)
+    marked = Marked(gc.mark(registry, found.packages, keep=False), found.blobs)
     keys = list(store.backend.iter_names(BLOB_DIR))
-    candidates = list(store.unmarked(marked))
+    candidates = [c for share in unmarked(store, marked.in_folder) for c in share.unmarked]
+    folders = store.backend.list_dir(BLOB_DIR)
     parts = time_stages(
         [
             ("roots(): refs, tags, pins, leases", lambda: gc.roots(registry)),
-            ("mark(): the roots' marks files", lambda: gc.mark(registry, packages, keep=False)),
+            ("mark(): the roots' marks files", lambda: gc.mark(registry, found.packages, False)),
             ("list names under blobs/ (no stat)", lambda: list(store.backend.iter_names(BLOB_DIR))),
             (
-                "unmarked(): list, drop marked names, stat and parse the rest",
-                lambda: list(store.unmarked(marked)),
+                "sweep: list, drop marked names, stat and parse the rest, all processes",
+                lambda: list(unmarked(store, marked.in_folder)),
+            ),
+            (
+                "the same, one process",
+                lambda: sweep_share(store, folders, marked.in_folder),
             ),
             (
                 "one stat per candidate, by path, one thread (for reference)",
