@@ -20,6 +20,7 @@ from typing import BinaryIO
 from flare.store.backends.base import TMP_DIR, StoredFile, TempFile
 from flare.store.backends.linking import hardlink, reflink
 from flare.store.errors import FlareError, from_os_error
+from flare.store.hashing import default_workers
 
 WRITEBACK_EVERY = 64 << 20
 """Buffered writes: bytes written between requests to start writing them to disk."""
@@ -230,7 +231,7 @@ class LocalBackend:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.location = str(root)
-        self.sweep_processes = min(MAX_SWEEP_PROCESSES, len(os.sched_getaffinity(0)))
+        self.sweep_processes = min(MAX_SWEEP_PROCESSES, default_workers())
 
     def _path(self, key: str) -> Path:
         return self.root / key

@@ -457,12 +457,11 @@ LS_STEPS = (
     "import flare.cli",
     "cli.open_registry(): config, engine, migrate check",
     "Registry.listings()",
-    "asdict() of every Listing",
+    "vars() of every Listing (as the CLI does)",
     "cli.print_json() (json.dumps + rich Console.out)",
 )
 LS_SNIPPET = """
 import json, os, sys, time
-from dataclasses import asdict
 marks = [time.perf_counter()]
 from flare import cli
 marks.append(time.perf_counter())
@@ -470,7 +469,7 @@ registry = cli.open_registry()
 marks.append(time.perf_counter())
 rows = registry.listings()
 marks.append(time.perf_counter())
-dicts = [asdict(r) for r in rows]
+dicts = [vars(r) for r in rows]
 marks.append(time.perf_counter())
 cli.print_json(dicts)
 marks.append(time.perf_counter())
