@@ -34,13 +34,15 @@ def encode_marks(blobs: set[str]) -> bytes:
 
 def decode_marks(data: bytes) -> bytes | None:
     """The sorted lines as written (LINE bytes each), or None unless the checksum matches (a
-    torn or edited file). Bytes, not strings: a sweep share decodes only its own folders'
-    lines (Marked.in_folder)."""
+    torn or edited file) and every line has one length (the sweep cuts the lines by binary
+    search). Bytes, not strings: a sweep share decodes only its own folders' lines
+    (Marked.in_folder)."""
     body, found, checksum = data.rpartition(CHECKSUM)
     if not found or checksum != hash_bytes(body).hex.encode("ascii") + b"\n":
         return None
-    if len(body) % LINE or not body.isascii():
-        return None  # not a file flare wrote
+    lines = len(body) // LINE
+    if len(body) % LINE or body[HEX_LENGTH::LINE] != b"\n" * lines or not body.isascii():
+        return None  # not lines of one length: not a file flare wrote
     return body
 
 

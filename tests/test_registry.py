@@ -279,6 +279,11 @@ def test_gc_reads_marks_files_and_never_trusts_a_bad_one(
         assert collect(registry, grace_s=0).deleted == []
         assert marked_lines(path.read_bytes()) == sorted(needed)  # rebuilt
     assert registry.verify("alpha:latest").ok
+    # Lines of uneven length (two joined, a newline moved to the end), checksum redone: the
+    # sweep cuts lines by binary search at fixed offsets, so such a file is refused too.
+    body = "".join(f"{d}\n" for d in sorted(needed)).replace("\n", "", 1).encode() + b"\n"
+    assert len(body) % marks.LINE == 0
+    assert marks.decode_marks(body + marks.CHECKSUM + hash_bytes(body).hex.encode() + b"\n") is None
 
 
 def test_marked_gives_each_fan_out_folder_exactly_its_digests() -> None:
