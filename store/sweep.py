@@ -12,11 +12,13 @@ again in the parent, which then raises the real error, or succeeds where the fai
 
 from __future__ import annotations
 
+import gc
 import marshal
 import os
 import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 from flare.store.blobs import BLOB_DIR, BlobStore, blob_file
 from flare.store.encoding import Encoding
@@ -46,12 +48,7 @@ def unmarked(store: BlobStore, reached: Reached) -> Iterator[Share]:
     shares = [
         folders[len(folders) * k // count : len(folders) * (k + 1) // count] for k in range(count)
     ]
-    yield from forked([_share_task(store, share, reached) for share in shares])
-
-
-def _share_task(store: BlobStore, folders: list[str], reached: Reached) -> Callable[[], Share]:
-    """The work of one share, to run here or in a child."""
-    return lambda: sweep_share(store, folders, reached)
+    yield from forked([partial(sweep_share, store, share, reached) for share in shares])
 
 
 def sweep_share(store: BlobStore, folders: list[str], reached: Reached) -> Share:
@@ -137,6 +134,9 @@ def _fork(task: Callable[[], Share]) -> _Child:
     if pid == 0:  # the child: whatever happens, it leaves through os._exit
         status = 1
         try:
+            # No collection of the parent's pending garbage here: a finalizer (a DB
+            # connection's close) would act on state the parent still uses.
+            gc.disable()
             os.close(read_end)
             share = task()
             with open(write_end, "wb") as pipe:
