@@ -1317,8 +1317,9 @@ def registry_verify(
     registry: RegistryOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Re-hash packages' blobs in parallel. Exit 6 if corrupt, 3 if missing, then 11 if a
-    package is unsigned or untrusted (with --signatures)."""
+    """Re-hash packages' blobs in parallel. Exit 6 if corrupt, else 3 if missing, else 11.
+
+    11: with --signatures, a package is unsigned or signed by no trusted publisher."""
     target = open_registry(registry)
     refused = _refused_packages(target, ref) if signatures else []
     if not as_json:
