@@ -18,7 +18,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -88,10 +88,11 @@ class Rendezvous:
             ) from exc
         store.set("world", str(world))
         rendezvous = cls(address, 0, world, timeout, store)
-        rendezvous._arrive()
-        rendezvous._await_arrivals()
-        store.set("ready", "1")
-        rendezvous._connect_group()
+        with rendezvous._closed_on_failure():
+            rendezvous._arrive()
+            rendezvous._await_arrivals()
+            store.set("ready", "1")
+            rendezvous._connect_group()
         return rendezvous
 
     @classmethod
@@ -113,10 +114,26 @@ class Rendezvous:
                 f"give a rank from 1 to {world - 1}",
             )
         rendezvous = cls(address, rank, world, timeout, store)
-        rendezvous._arrive()
-        rendezvous.wait_for("ready", 0, "to see every rank arrive")
-        rendezvous._connect_group()
+        with rendezvous._closed_on_failure():
+            rendezvous._arrive()
+            rendezvous.wait_for("ready", 0, "to see every rank arrive")
+            rendezvous._connect_group()
         return rendezvous
+
+    @contextlib.contextmanager
+    def _closed_on_failure(self) -> Iterator[None]:
+        """A rank that fails while joining says goodbye (rank zero keeps its store up until the
+        arrived ranks have read why the build stopped) and stops its heartbeat before the error
+        goes up: a daemon thread still inside a TCPStore call when the interpreter ends aborts
+        the process (SIGABRT, "terminate called without an active exception") instead of
+        letting it exit with its error's status."""
+        try:
+            yield
+        except BaseException:
+            if self.rank:
+                self.say_goodbye()
+            self.close()
+            raise
 
     def _arrive(self) -> None:
         """Claim the rank (refusing a second process with it) and start the heartbeat."""
@@ -144,6 +161,7 @@ class Rendezvous:
             time.sleep(POLL_S)
         if missing:
             self.abort(f"rank {missing[0]} did not join")
+            self.linger([f"left/{r}" for r in range(1, self.world) if r not in missing])
             raise RankError(
                 f"rank {missing[0]} did not join {self.address} within {self.timeout:g} s"
                 + (f" (nor did ranks {missing[1:]})" if missing[1:] else ""),
