@@ -821,6 +821,13 @@ def serve_command(
     kv_cache_tokens: Annotated[
         int | None, typer.Option(min=16, help="KV cache size in tokens (default: by memory).")
     ] = None,
+    attention: Annotated[
+        str,
+        typer.Option(
+            help="Attention kernels: flashinfer (CUDA), torch, or auto (FlashInfer where it "
+            "can run)."
+        ),
+    ] = "auto",
 ) -> None:
     """Pull, verify and check a package, then serve it behind an OpenAI-compatible API."""
     _require_serve_extra()
@@ -831,7 +838,7 @@ def serve_command(
     source, cache, report = pull_into_cache(ref, registry, device, revision, accept)
     plan = report.plan
     with hold_lease(source.store, "serve", packages=[plan.digest]):
-        runtime, app_ = load_package_app(source, cache, plan, kv_cache_tokens, api_key)
+        runtime, app_ = load_package_app(source, cache, plan, kv_cache_tokens, api_key, attention)
         run_server(app_, runtime, sock, _say_ready(plan))
 
 
@@ -841,6 +848,7 @@ def load_package_app(
     plan: Any,
     kv_cache_tokens: int | None,
     api_key: str | None,
+    attention: str = "auto",
 ) -> tuple[Any, Any]:
     """Load the pulled package on the device pull admitted it for (printing what it cost)
     and make its API app."""
@@ -856,10 +864,12 @@ def load_package_app(
         plan.device,
         kv_cache_tokens,
         memory_reserve=load_config()["memory.reserve"],
+        attention=attention,
     )
     weights = sum(p.size for p in plan.manifest.payloads)
     kv = runtime.kv_stats()
-    kv_text = f"; KV cache {kv['blocks_total'] * kv['block_size']} tokens" if kv else ""
+    tokens = kv["blocks_total"] * kv["block_size"] if kv else 0
+    kv_text = f"; KV cache {tokens} tokens, {runtime.attention} attention" if kv else ""
     err.print(
         f"loaded {plan.manifest.name} ({decimal(weights)} of weights) on {plan.device} in "
         f"{time.perf_counter() - started:.2f} s{kv_text}",

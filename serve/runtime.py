@@ -21,7 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from torch import nn
 
-from flare.serve.engine.attention import TorchPagedAttention
+from flare.serve.engine.attention import make_attention
 from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.engine import Engine
 from flare.serve.engine.output import Delta, RequestHandle
@@ -62,10 +62,12 @@ def load_runtime(
     kv_cache_tokens: int | None = None,
     dtype: torch.dtype | None = None,
     memory_reserve: int = 0,
+    attention: str = "auto",
 ) -> Runtime:
     """Load the package's model on `device` (fp32 on CPU, bf16 elsewhere unless `dtype`);
     `files` maps every blob's digest text to a local verified file. A GPU's KV cache takes
-    a share of the memory left after the weights and `memory_reserve`."""
+    a share of the memory left after the weights and `memory_reserve`; `attention` picks
+    the backend (serve/engine/attention.py, `make_attention`)."""
     if manifest.ranks != 1:
         raise InvalidInputError(
             f"package {manifest.name} is built for {manifest.ranks} ranks", "serve a 1-rank build"
@@ -78,13 +80,15 @@ def load_runtime(
     if kind == "embed":
         return EmbedRuntime(package, model)
     kv_tokens = kv_cache_tokens or _default_kv_tokens(model, target, dtype, memory_reserve)
-    return GenerateRuntime(package, model, target, dtype, kv_tokens)
+    return GenerateRuntime(package, model, target, dtype, kv_tokens, attention)
 
 
 class Runtime:
     """What every runtime offers; `kind` says which of submit or embed it serves."""
 
     kind = ""
+    attention = ""
+    """The attention backend a generating runtime runs (make_attention's name for it)."""
 
     def __init__(self, package: PackageFiles, context_length: int) -> None:
         self.package = package
@@ -153,6 +157,7 @@ class GenerateRuntime(Runtime):
         device: torch.device,
         dtype: torch.dtype,
         kv_cache_tokens: int,
+        attention_kind: str = "auto",
     ) -> None:
         spec = model.attention_spec
         tokens = kv_cache_tokens
@@ -161,7 +166,9 @@ class GenerateRuntime(Runtime):
             raise InvalidInputError(f"a KV cache of {tokens} tokens holds no {BLOCK_SIZE}-block")
         super().__init__(package, min(model.context_length, num_blocks * BLOCK_SIZE))
         self.vocab_size = model.vocab_size
-        attention = TorchPagedAttention(spec, num_blocks * BLOCK_SIZE, dtype, device)
+        self.attention, attention = make_attention(
+            attention_kind, spec, num_blocks * BLOCK_SIZE, BLOCK_SIZE, dtype, device
+        )
         runner = ModelRunner(model, attention, BLOCK_SIZE, device)
         blocks = BlockManager(num_blocks, BLOCK_SIZE)
         scheduler = Scheduler(blocks, MAX_NUM_SEQS, max(MAX_BATCHED_TOKENS, self.context_length))

@@ -182,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = config["vocab_size"]
         self.attention_spec = AttentionSpec(
             num_layers=config["num_hidden_layers"],
+            num_heads=config["num_attention_heads"],
             num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
             head_dim=head_dim(config),
             scale=head_dim(config) ** -0.5,

@@ -1,0 +1,88 @@
+"""Attention by FlashInfer's paged kernels, on CUDA, over the same KV cache layout.
+
+The cache is the reference backend's: per layer, [slots, kv_heads, head_dim] with slot =
+block * block_size + offset, which is FlashInfer's "NHD" paged layout [pages, page_size,
+kv_heads, head_dim] seen as a view, so new keys and values are written the same way. A step
+is planned once (FlashInfer's `plan`: page tables and the kernels' work split) and each
+layer's `run` then attends all sequences in one kernel. A step of single-token queries (a
+decode step) uses the decode kernel; any other uses the prefill kernel, causal, whose queries
+sit at the end of their sequence's context, which is what a prefill after a cached prefix is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flare.serve.engine.attention import AttentionMetadata, AttentionSpec
+
+WORKSPACE_BYTES = 128 << 20
+"""FlashInfer's scratch space for split-KV partial results; its documented recommendation."""
+TENSOR_CORE_GROUP = 4
+"""Query heads per KV head from which the decode kernel runs on tensor cores (as FlashInfer
+advises for grouped-query attention)."""
+
+
+class FlashInferPagedAttention:
+    """The CUDA backend: FlashInfer batch prefill and decode over the paged cache."""
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        num_slots: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        import flashinfer
+
+        shape = (spec.num_layers, num_slots, spec.num_kv_heads, spec.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.pages = (num_slots // block_size, block_size, spec.num_kv_heads, spec.head_dim)
+        self.spec, self.dtype, self.block_size = spec, dtype, block_size
+        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace,
+            "NHD",
+            use_tensor_cores=spec.num_heads // spec.num_kv_heads >= TENSOR_CORE_GROUP,
+        )
+        self._meta: AttentionMetadata | None = None
+        self._wrapper: Any = None
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """The step's page table (each sequence's blocks up to its context), then the kernel
+        plan of the decode or the prefill wrapper."""
+        self._meta = meta
+        pages_per_seq = [-(-ctx // self.block_size) for ctx in meta.context_lens_cpu]
+        tables = meta.block_tables.tolist()
+        indices = [b for table, n in zip(tables, pages_per_seq, strict=True) for b in table[:n]]
+        indptr = [0]
+        for n in pages_per_seq:
+            indptr.append(indptr[-1] + n)
+        last = [(ctx - 1) % self.block_size + 1 for ctx in meta.context_lens_cpu]
+        device = meta.block_tables.device
+        kv = (_int32(indptr, device), _int32(indices, device), _int32(last, device))
+        spec = self.spec
+        shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, self.block_size)
+        kinds = {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": spec.scale}
+        if all(n == 1 for n in meta.query_lens_cpu):
+            self._wrapper = self._decode
+            self._decode.plan(*kv, *shape, **kinds)
+        else:
+            self._wrapper = self._prefill
+            qo_indptr = meta.query_start_loc.to(torch.int32)
+            self._prefill.plan(qo_indptr, *kv, *shape, causal=True, **kinds)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        assert self._meta is not None, "plan() must run before attend()"
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        k_cache[self._meta.slot_mapping] = k
+        v_cache[self._meta.slot_mapping] = v
+        return self._wrapper.run(q, (k_cache.view(self.pages), v_cache.view(self.pages)))
+
+
+def _int32(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)

@@ -1,0 +1,169 @@
+"""FlashInfer attention against the torch reference, on one GPU: same tokens, how much faster.
+
+A Llama of serving shape (hidden 2048, 16 query heads and 8 KV heads of 128, 8 layers, vocab
+32,000; random bf16 weights, built on the GPU: no package needed) generates greedily for a
+batch of prompts through flare's own ModelRunner, BlockManager and Sequence, once with each
+backend. Baseline: the torch reference backend in the same process, same model, same prompts.
+
+    python tests/bench/gpu_attention.py [--seqs 64] [--prompt 256] [--decode 128]
+
+Prints JSON: prefill and decode time of each backend (CUDA-synchronised wall time, after one
+untimed warm-up round), decode tokens/s, the speed-up, and how many sequences' greedy tokens
+are identical between the backends. Random weights make logits nearly flat, so free-running
+greedy sequences part at the first near tie that bf16 summation order flips; the lockstep
+check therefore feeds both backends the reference's tokens and compares logits at every
+position: the largest difference, and greedy disagreements split into near ties and real
+ones (the reference's best logit ahead by more than MARGIN).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from flare.build.tiny import llama_config
+from flare.serve.engine.attention import make_attention
+from flare.serve.engine.block_manager import BlockManager
+from flare.serve.engine.runner import ModelRunner
+from flare.serve.engine.sequence import SamplingParams, Sequence
+from flare.serve.models.llama import LlamaForCausalLM
+
+BLOCK = 16
+MARGIN = 0.05
+"""Logit lead (bf16 logits here are about 1) above which two backends must agree."""
+
+
+def build_model(device: torch.device) -> LlamaForCausalLM:
+    """Random bf16 weights (norms at 1), materialised on the GPU."""
+    config = llama_config(32_000, 2048, 8, 16, 8)
+    config["max_position_embeddings"] = 4096
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device).to(torch.bfloat16)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    return model.eval()
+
+
+def generate(
+    kind: str, model: LlamaForCausalLM, prompts: list[list[int]], decode: int
+) -> tuple[list[list[int]], float, float]:
+    """Greedy tokens of every prompt, prefill seconds, decode seconds."""
+    device = torch.device("cuda")
+    need = sum(-(-(len(p) + decode) // BLOCK) for p in prompts)
+    name, attention = make_attention(
+        kind, model.attention_spec, need * BLOCK, BLOCK, torch.bfloat16, device
+    )
+    assert name == kind, f"asked for {kind}, got {name}"
+    runner = ModelRunner(model, attention, BLOCK, device)
+    blocks = BlockManager(need, BLOCK)
+    seqs = [Sequence(p, SamplingParams(temperature=0), max_tokens=decode) for p in prompts]
+    for seq in seqs:
+        blocks.allocate(seq)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    _advance(seqs, runner.run(seqs, prefill=True), blocks)
+    torch.cuda.synchronize()
+    prefilled = time.perf_counter()
+    for _ in range(decode - 1):
+        _advance(seqs, runner.run(seqs, prefill=False), blocks)
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    outputs = [seq.token_ids[len(p) :] for seq, p in zip(seqs, prompts, strict=True)]
+    return outputs, prefilled - started, done - prefilled
+
+
+def _advance(
+    seqs: list[Sequence],
+    logits: torch.Tensor,
+    blocks: BlockManager,
+    forced: list[int] | None = None,
+) -> None:
+    tokens = logits.argmax(-1).tolist() if forced is None else forced
+    for seq, token in zip(seqs, tokens, strict=True):
+        seq.append(token)
+        blocks.append_slot(seq)
+
+
+def lockstep(model: LlamaForCausalLM, prompts: list[list[int]], decode: int) -> dict:
+    """Both backends step by step on the same tokens (the reference's greedy choice is fed
+    to both): the largest logit difference, and how often their greedy choices differ where
+    the reference's best logit leads the next by more than MARGIN (a real disagreement, not
+    a near tie that bf16 summation order may flip)."""
+    device = torch.device("cuda")
+    need = sum(-(-(len(p) + decode) // BLOCK) for p in prompts)
+    sides = []
+    for kind in ("torch", "flashinfer"):
+        _, attention = make_attention(
+            kind, model.attention_spec, need * BLOCK, BLOCK, torch.bfloat16, device
+        )
+        blocks = BlockManager(need, BLOCK)
+        seqs = [Sequence(p, SamplingParams(temperature=0), max_tokens=decode) for p in prompts]
+        for seq in seqs:
+            blocks.allocate(seq)
+        sides.append((ModelRunner(model, attention, BLOCK, device), blocks, seqs))
+    worst, scale, ties, clear = 0.0, 0.0, 0, 0
+    for step in range(decode):
+        ref, fast = (runner.run(seqs, prefill=step == 0) for runner, _, seqs in sides)
+        worst = max(worst, (ref - fast).abs().max().item())
+        scale = max(scale, ref.abs().max().item())
+        top = ref.topk(2, dim=-1).values
+        differ = ref.argmax(-1) != fast.argmax(-1)
+        clear_now = int((differ & (top[:, 0] - top[:, 1] > MARGIN)).sum())
+        clear += clear_now
+        ties += int(differ.sum()) - clear_now
+        forced = ref.argmax(-1).tolist()
+        for _, blocks, seqs in sides:
+            _advance(seqs, ref, blocks, forced)
+    return {
+        "positions": decode * len(prompts),
+        "max_abs_logit_diff": round(worst, 5),
+        "max_abs_logit": round(scale, 4),
+        "greedy_differs_near_tie": ties,
+        f"greedy_differs_with_margin_over_{MARGIN}": clear,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=256, help="longest prompt (tokens)")
+    parser.add_argument("--decode", type=int, default=128, help="tokens generated per prompt")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    model = build_model(device)
+    generator = torch.Generator().manual_seed(1)
+    lengths = torch.randint(args.prompt // 4, args.prompt + 1, (args.seqs,), generator=generator)
+    prompts = [torch.randint(0, 32_000, (int(n),), generator=generator).tolist() for n in lengths]
+    report: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    results = {}
+    for kind in ("torch", "flashinfer", "torch", "flashinfer"):  # the first round warms up
+        tokens, prefill_s, decode_s = generate(kind, model, prompts, args.decode)
+        results[kind] = (tokens, prefill_s, decode_s)
+    decoded = args.seqs * (args.decode - 1)
+    for kind, (_, prefill_s, decode_s) in results.items():
+        report[kind] = {
+            "prefill_s": round(prefill_s, 4),
+            "decode_s": round(decode_s, 4),
+            "decode_tokens_per_s": round(decoded / decode_s, 1),
+        }
+    report["decode_speedup"] = round(results["torch"][2] / results["flashinfer"][2], 2)
+    report["prefill_speedup"] = round(results["torch"][1] / results["flashinfer"][1], 2)
+    ours, theirs = results["flashinfer"][0], results["torch"][0]
+    report["sequences_identical"] = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    report["first_token_identical"] = sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True))
+    report["lockstep"] = lockstep(model, prompts, args.decode)
+    report["shape"] = {"seqs": args.seqs, "prompt_max": args.prompt, "decode": args.decode}
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
