@@ -9,6 +9,7 @@ import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -805,6 +806,14 @@ def pull_command(
     )
 
 
+class Attention(StrEnum):
+    """`flare serve --attention`: the names make_attention takes."""
+
+    AUTO = "auto"
+    FLASHINFER = "flashinfer"
+    TORCH = "torch"
+
+
 @app.command("serve")
 def serve_command(
     ref: Annotated[str, typer.Argument(help="The package: NAME, NAME:TAG or NAME@DIGEST.")],
@@ -822,12 +831,12 @@ def serve_command(
         int | None, typer.Option(min=16, help="KV cache size in tokens (default: by memory).")
     ] = None,
     attention: Annotated[
-        str,
+        Attention,
         typer.Option(
             help="Attention kernels: flashinfer (CUDA), torch, or auto (FlashInfer where it "
             "can run)."
         ),
-    ] = "auto",
+    ] = Attention.AUTO,
 ) -> None:
     """Pull, verify and check a package, then serve it behind an OpenAI-compatible API."""
     _require_serve_extra()
@@ -838,7 +847,9 @@ def serve_command(
     source, cache, report = pull_into_cache(ref, registry, device, revision, accept)
     plan = report.plan
     with hold_lease(source.store, "serve", packages=[plan.digest]):
-        runtime, app_ = load_package_app(source, cache, plan, kv_cache_tokens, api_key, attention)
+        runtime, app_ = load_package_app(
+            source, cache, plan, kv_cache_tokens, api_key, attention.value
+        )
         run_server(app_, runtime, sock, _say_ready(plan))
 
 

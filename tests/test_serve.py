@@ -283,3 +283,24 @@ def test_a_taken_port_is_refused_at_once(home: Path, server: Server) -> None:
     assert done.returncode == 1
     assert done.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
     assert "pick another --port" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_flashinfer_attention_where_it_cannot_run_is_refused_with_the_reason(home: Path) -> None:
+    """Asked for FlashInfer on the CPU, serve says why not and what to do, in one line, and
+    serves nothing; with --attention torch the `loaded` line names the backend that runs."""
+    command = ["serve", "tiny", "--port", "0", "--device", "cpu", "--attention", "flashinfer"]
+    done = subprocess.run(
+        [sys.executable, "-m", "flare", *command],
+        env=flare_env(home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 4 and done.stdout == ""
+    assert done.stderr.endswith(
+        "error: FlashInfer attention cannot run here: the device is cpu, not cuda; "
+        "use --attention torch or auto\n"
+    )
+    with_torch = Server(flare_env(home), "tiny", "--attention", "torch")
+    code, stderr = with_torch.stop()
+    assert code == 0 and "KV cache 32768 tokens, torch attention" in stderr
