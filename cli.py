@@ -807,7 +807,8 @@ def pull_command(
 
 
 class Attention(StrEnum):
-    """`flare serve --attention`: the names make_attention takes."""
+    """`flare serve --attention`: the names make_attention takes (ATTENTION_KINDS; listed
+    here again because importing the engine would load torch for every command)."""
 
     AUTO = "auto"
     FLASHINFER = "flashinfer"
