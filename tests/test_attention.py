@@ -109,3 +109,10 @@ def test_flashinfer_attends_as_the_reference_does_over_steps() -> None:
             got, want = fast.attend(layer, q, k, v), reference.attend(layer, q, k, v)
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     assert name == "flashinfer"
+
+
+def test_the_cli_offers_exactly_the_backends_the_engine_knows() -> None:
+    from flare.cli import Attention
+    from flare.serve.engine.attention import ATTENTION_KINDS
+
+    assert sorted(a.value for a in Attention) == sorted(ATTENTION_KINDS)
