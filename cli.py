@@ -880,8 +880,10 @@ def load_package_app(
     )
     weights = sum(p.size for p in plan.manifest.payloads)
     kv = runtime.kv_stats()
-    tokens = kv["blocks_total"] * kv["block_size"] if kv else 0
-    kv_text = f"; KV cache {tokens} tokens, {runtime.attention} attention" if kv else ""
+    kv_text = ""
+    if kv:  # a generating model
+        tokens = kv["blocks_total"] * kv["block_size"]
+        kv_text = f"; KV cache {tokens} tokens, {runtime.attention} attention"
     err.print(
         f"loaded {plan.manifest.name} ({decimal(weights)} of weights) on {plan.device} in "
         f"{time.perf_counter() - started:.2f} s{kv_text}",

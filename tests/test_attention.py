@@ -46,7 +46,9 @@ def test_flashinfer_names_what_does_not_fit_on_a_cuda_device(
     assert flashinfer_unfit(spec, dtype, torch.device("cuda")) == reason
 
 
-@pytest.mark.skipif(GPU, reason="flashinfer is installed here")
+@pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is not None, reason="flashinfer is installed here"
+)
 def test_flashinfer_missing_is_named() -> None:
     unfit = flashinfer_unfit(SPEC, torch.bfloat16, torch.device("cuda"))
     assert unfit == "the flashinfer-python package is not installed"
@@ -66,6 +68,7 @@ def _step(
         slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx - q, ctx)]
         starts.append(starts[-1] + q)
     width = max(map(len, tables))
+    padded = [t + [-1] * (width - len(t)) for t in tables]
 
     def tensor(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
@@ -74,10 +77,11 @@ def _step(
         slot_mapping=tensor(slots),
         query_start_loc=tensor(starts),
         context_lens=tensor(contexts),
-        block_tables=tensor([t + [-1] * (width - len(t)) for t in tables]),
+        block_tables=tensor(padded),
         block_size=BLOCK,
         query_lens_cpu=queries,
         context_lens_cpu=contexts,
+        block_tables_cpu=padded,
     )
 
 

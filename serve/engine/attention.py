@@ -47,7 +47,8 @@ class AttentionMetadata:
     `query_start_loc[i]:query_start_loc[i+1]` are sequence i's new tokens (its last
     `query_lens[i]` positions); `context_lens[i]` counts all its tokens including them;
     `slot_mapping[t]` is where token t's KV goes (block * block_size + offset);
-    `block_tables[i]` lists sequence i's blocks, padded with -1.
+    `block_tables[i]` lists sequence i's blocks, padded with -1. The `_cpu` lists are the same
+    values on the host, for planning without a device round trip.
     """
 
     slot_mapping: torch.Tensor
@@ -57,6 +58,28 @@ class AttentionMetadata:
     block_size: int
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
+    block_tables_cpu: list[list[int]]
+
+
+class PagedKVCache:
+    """Every layer's keys and values, [slots, kv_heads, head_dim] per layer with slot = block *
+    block_size + offset: the layout both backends read (FlashInfer's "NHD" pages as a view)."""
+
+    def __init__(
+        self, spec: AttentionSpec, num_slots: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        shape = (spec.num_layers, num_slots, spec.num_kv_heads, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def store(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a step's new keys and values into their slots; the layer's whole K and V."""
+        k_cache, v_cache = self.k[layer], self.v[layer]
+        k_cache[slots] = k
+        v_cache[slots] = v
+        return k_cache, v_cache
 
 
 class AttentionBackend(Protocol):
@@ -76,9 +99,7 @@ class TorchPagedAttention:
     def __init__(
         self, spec: AttentionSpec, num_slots: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        shape = (spec.num_layers, num_slots, spec.num_kv_heads, spec.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.cache = PagedKVCache(spec, num_slots, dtype, device)
         self.scale = spec.scale
         self._meta: AttentionMetadata | None = None
         self._gathers: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
@@ -103,9 +124,7 @@ class TorchPagedAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self._meta is not None, "plan() must run before attend()"
-        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        k_cache[self._meta.slot_mapping] = k
-        v_cache[self._meta.slot_mapping] = v
+        k_cache, v_cache = self.cache.store(layer, self._meta.slot_mapping, k, v)
         out = torch.empty_like(q)
         for start, end, slots, mask in self._gathers:
             out[start:end] = self._one(q[start:end], k_cache[slots], v_cache[slots], mask)

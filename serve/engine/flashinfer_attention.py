@@ -11,11 +11,12 @@ sit at the end of their sequence's context, which is what a prefill after a cach
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 
-from flare.serve.engine.attention import AttentionMetadata, AttentionSpec
+from flare.serve.engine.attention import AttentionMetadata, AttentionSpec, PagedKVCache
 
 WORKSPACE_BYTES = 128 << 20
 """FlashInfer's scratch space for split-KV partial results; its documented recommendation."""
@@ -37,9 +38,7 @@ class FlashInferPagedAttention:
     ) -> None:
         import flashinfer
 
-        shape = (spec.num_layers, num_slots, spec.num_kv_heads, spec.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.cache = PagedKVCache(spec, num_slots, dtype, device)
         self.pages = (num_slots // block_size, block_size, spec.num_kv_heads, spec.head_dim)
         self.spec, self.dtype, self.block_size = spec, dtype, block_size
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -53,18 +52,15 @@ class FlashInferPagedAttention:
         self._wrapper: Any = None
 
     def plan(self, meta: AttentionMetadata) -> None:
-        """The step's page table (each sequence's blocks up to its context), then the kernel
-        plan of the decode or the prefill wrapper."""
+        """The step's page table (each sequence's blocks up to its context), built from the
+        host copies (FlashInfer plans on the host: device tensors would be copied back, a
+        sync per step), then the kernel plan of the decode or the prefill wrapper."""
         self._meta = meta
         pages_per_seq = [-(-ctx // self.block_size) for ctx in meta.context_lens_cpu]
-        tables = meta.block_tables.tolist()
-        indices = [b for table, n in zip(tables, pages_per_seq, strict=True) for b in table[:n]]
-        indptr = [0]
-        for n in pages_per_seq:
-            indptr.append(indptr[-1] + n)
+        tables = zip(meta.block_tables_cpu, pages_per_seq, strict=True)
+        indices = [block for table, n in tables for block in table[:n]]
         last = [(ctx - 1) % self.block_size + 1 for ctx in meta.context_lens_cpu]
-        device = meta.block_tables.device
-        kv = (_int32(indptr, device), _int32(indices, device), _int32(last, device))
+        kv = (_offsets(pages_per_seq), _int32(indices), _int32(last))
         spec = self.spec
         shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, self.block_size)
         kinds = {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": spec.scale}
@@ -73,16 +69,19 @@ class FlashInferPagedAttention:
             self._decode.plan(*kv, *shape, **kinds)
         else:
             self._wrapper = self._prefill
-            qo_indptr = meta.query_start_loc.to(torch.int32)
+            qo_indptr = _offsets(meta.query_lens_cpu)
             self._prefill.plan(qo_indptr, *kv, *shape, causal=True, **kinds)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self._meta is not None, "plan() must run before attend()"
-        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        k_cache[self._meta.slot_mapping] = k
-        v_cache[self._meta.slot_mapping] = v
+        k_cache, v_cache = self.cache.store(layer, self._meta.slot_mapping, k, v)
         return self._wrapper.run(q, (k_cache.view(self.pages), v_cache.view(self.pages)))
 
 
-def _int32(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
+def _offsets(counts: list[int]) -> torch.Tensor:
+    """Where each of the counted runs starts, and the end: FlashInfer's indptr arrays."""
+    return _int32([0, *itertools.accumulate(counts)])
+
+
+def _int32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)

@@ -84,6 +84,7 @@ class ModelRunner:
             block_size=self.block_size,
             query_lens_cpu=query_lens,
             context_lens_cpu=context_lens,
+            block_tables_cpu=tables,
         )
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:

@@ -54,37 +54,42 @@ def generate(
     kind: str, model: LlamaForCausalLM, prompts: list[list[int]], decode: int
 ) -> tuple[list[list[int]], float, float]:
     """Greedy tokens of every prompt, prefill seconds, decode seconds."""
-    device = torch.device("cuda")
-    need = sum(-(-(len(p) + decode) // BLOCK) for p in prompts)
-    name, attention = make_attention(
-        kind, model.attention_spec, need * BLOCK, BLOCK, torch.bfloat16, device
-    )
-    assert name == kind, f"asked for {kind}, got {name}"
-    runner = ModelRunner(model, attention, BLOCK, device)
-    blocks = BlockManager(need, BLOCK)
-    seqs = [Sequence(p, SamplingParams(temperature=0), max_tokens=decode) for p in prompts]
-    for seq in seqs:
-        blocks.allocate(seq)
+    runner, blocks, seqs = _engine(kind, torch.bfloat16, model, prompts, decode)
     torch.cuda.synchronize()
     started = time.perf_counter()
-    _advance(seqs, runner.run(seqs, prefill=True), blocks)
+    _advance(seqs, _greedy(runner.run(seqs, prefill=True)), blocks)
     torch.cuda.synchronize()
     prefilled = time.perf_counter()
     for _ in range(decode - 1):
-        _advance(seqs, runner.run(seqs, prefill=False), blocks)
+        _advance(seqs, _greedy(runner.run(seqs, prefill=False)), blocks)
     torch.cuda.synchronize()
     done = time.perf_counter()
     outputs = [seq.token_ids[len(p) :] for seq, p in zip(seqs, prompts, strict=True)]
     return outputs, prefilled - started, done - prefilled
 
 
-def _advance(
-    seqs: list[Sequence],
-    logits: torch.Tensor,
-    blocks: BlockManager,
-    forced: list[int] | None = None,
-) -> None:
-    tokens = logits.argmax(-1).tolist() if forced is None else forced
+def _engine(
+    kind: str, dtype: torch.dtype, model: LlamaForCausalLM, prompts: list[list[int]], decode: int
+) -> tuple[ModelRunner, BlockManager, list[Sequence]]:
+    """A runner on the `kind` backend, a cache with room for every prompt and its `decode`
+    tokens, and the prompts as sequences with their blocks allocated."""
+    device = torch.device("cuda")
+    need = sum(-(-(len(p) + decode) // BLOCK) for p in prompts)
+    name, attention = make_attention(kind, model.attention_spec, need * BLOCK, BLOCK, dtype, device)
+    assert name == kind, f"asked for {kind}, got {name}"
+    blocks = BlockManager(need, BLOCK)
+    seqs = [Sequence(p, SamplingParams(temperature=0), max_tokens=decode) for p in prompts]
+    for seq in seqs:
+        blocks.allocate(seq)
+    return ModelRunner(model, attention, BLOCK, device), blocks, seqs
+
+
+def _greedy(logits: torch.Tensor) -> list[int]:
+    return logits.argmax(-1).tolist()
+
+
+def _advance(seqs: list[Sequence], tokens: list[int], blocks: BlockManager) -> None:
+    """Append each sequence's next token and make room for its KV."""
     for seq, token in zip(seqs, tokens, strict=True):
         seq.append(token)
         blocks.append_slot(seq)
@@ -96,31 +101,21 @@ def lockstep(model: LlamaForCausalLM, prompts: list[list[int]], decode: int) -> 
     For each bf16 backend: its largest logit difference from float32, and how often its
     greedy choice differs from float32's. FlashInfer is as exact as the reference when its
     figures match the bf16 reference's: both only round differently from float32."""
-    device = torch.device("cuda")
-    need = sum(-(-(len(p) + decode) // BLOCK) for p in prompts)
     exact = copy.deepcopy(model).float()
-    sides = []
-    for kind, dtype, weights in (
-        ("torch", torch.float32, exact),
-        ("torch", torch.bfloat16, model),
-        ("flashinfer", torch.bfloat16, model),
-    ):
-        spec = model.attention_spec
-        _, attention = make_attention(kind, spec, need * BLOCK, BLOCK, dtype, device)
-        blocks = BlockManager(need, BLOCK)
-        seqs = [Sequence(p, SamplingParams(temperature=0), max_tokens=decode) for p in prompts]
-        for seq in seqs:
-            blocks.allocate(seq)
-        sides.append((ModelRunner(weights, attention, BLOCK, device), blocks, seqs))
+    sides = [
+        _engine("torch", torch.float32, exact, prompts, decode),
+        _engine("torch", torch.bfloat16, model, prompts, decode),
+        _engine("flashinfer", torch.bfloat16, model, prompts, decode),
+    ]
     worst, differ = [0.0, 0.0], [0, 0]
     for step in range(decode):
         truth, *rounded = (runner.run(seqs, prefill=step == 0) for runner, _, seqs in sides)
         for i, logits in enumerate(rounded):
             worst[i] = max(worst[i], (logits - truth).abs().max().item())
             differ[i] += int((logits.argmax(-1) != truth.argmax(-1)).sum())
-        forced = truth.argmax(-1).tolist()
+        forced = _greedy(truth)
         for _, blocks, seqs in sides:
-            _advance(seqs, truth, blocks, forced)
+            _advance(seqs, forced, blocks)
     positions = decode * len(prompts)
     return {
         "positions": positions,
