@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from flare.serve.metrics import render_metrics
-from flare.serve.runtime import Delta, RequestHandle, Runtime, SamplingParams
+from flare.serve.runtime import Delta, RequestFailed, RequestHandle, Runtime, SamplingParams
 from flare.serve.schemas import ChatRequest, CompletionRequest, EmbeddingRequest, Sampling
 from flare.store.errors import FlareError
 
@@ -56,9 +56,17 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.extra = status, message, kind, extra
 
+    def body(self) -> dict[str, Any]:
+        error = {"message": self.message, "type": self.kind, "param": None, "code": None}
+        return {"error": error | self.extra}
+
     def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.kind, "param": None, "code": None}
-        return JSONResponse({"error": body | self.extra}, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _failed(exc: RequestFailed) -> ApiError:
+    """A request the engine ended with an error: the server's fault, and this request's only."""
+    return ApiError(500, str(exc), "server_error")
 
 
 def create_app(runtime: Runtime, package: ServedPackage, api_key: str | None = None) -> FastAPI:
@@ -225,6 +233,8 @@ class _Routes:
         try:
             async for delta in handle.stream():
                 reply.add(delta)
+        except RequestFailed as exc:
+            raise _failed(exc) from exc
         finally:
             handle.cancel()
         return reply.whole()
@@ -285,7 +295,8 @@ class _Reply:
         return self._envelope(self.kind, [choice]) | {"usage": self.usage()}
 
     async def stream(self, handle: RequestHandle, with_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events; cancelling this generator (a client gone) cancels the request."""
+        """Server-sent events; cancelling this generator (a client gone) cancels the request.
+        A request the engine fails ends with an error event (the status was sent already)."""
         try:
             if self.chat:
                 yield self._event(
@@ -297,12 +308,16 @@ class _Reply:
                         }
                     ]
                 )
-            async for delta in handle.stream():
-                self.completion_tokens += len(delta.token_ids)
-                if delta.text or delta.finish_reason or delta.logprobs:  # not a half character
-                    yield self._event([self._chunk_choice(delta)])
-            if with_usage:
-                yield self._event([], usage=self.usage())
+            try:
+                async for delta in handle.stream():
+                    self.completion_tokens += len(delta.token_ids)
+                    if delta.text or delta.finish_reason or delta.logprobs:  # not half a char
+                        yield self._event([self._chunk_choice(delta)])
+            except RequestFailed as exc:
+                yield f"data: {_json(_failed(exc).body())}\n\n"
+            else:
+                if with_usage:
+                    yield self._event([], usage=self.usage())
             yield "data: [DONE]\n\n"
         finally:
             handle.cancel()

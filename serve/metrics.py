@@ -16,6 +16,7 @@ from flare.serve.runtime import Runtime
 
 COUNTERS = {
     "requests_finished",
+    "requests_failed",
     "prompt_tokens",
     "generated_tokens",
     "preemptions",

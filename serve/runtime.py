@@ -24,7 +24,7 @@ from torch import nn
 from flare.serve.engine.attention import make_attention
 from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.engine import Engine
-from flare.serve.engine.output import Delta, RequestHandle
+from flare.serve.engine.output import Delta, RequestFailed, RequestHandle
 from flare.serve.engine.runner import ModelRunner
 from flare.serve.engine.scheduler import Scheduler
 from flare.serve.engine.sequence import SamplingParams, TokenLogprob
@@ -37,6 +37,7 @@ __all__ = [
     "Delta",
     "EmbedRuntime",
     "GenerateRuntime",
+    "RequestFailed",
     "RequestHandle",
     "Runtime",
     "SamplingParams",

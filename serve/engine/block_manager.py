@@ -104,8 +104,14 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_tokens = 0
 
+    def forget(self, seq: Sequence) -> None:
+        """Unname the sequence's blocks: after a failed forward, the ones named for it in that
+        step lack their KV (a block is named when its slots are handed out, before the write)."""
+        for block_id in seq.block_table:
+            self._unname(self.blocks[block_id])
+
     def forget_cached(self) -> None:
-        """Unname every block: after a failed step, named blocks may lack their KV."""
+        """Unname every block: after an engine fault, any named block may lack its KV."""
         for block in self.blocks:
             block.hash = None
         self.by_hash.clear()
@@ -121,12 +127,15 @@ class BlockManager:
         block_id, _ = self.free.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:
-            if self.by_hash.get(block.hash) == block_id:
-                del self.by_hash[block.hash]
-            block.hash = None
+            self._unname(block)
             self.evictions += 1
         block.ref_count = 1
         return block
+
+    def _unname(self, block: Block) -> None:
+        if block.hash is not None and self.by_hash.get(block.hash) == block.id:
+            del self.by_hash[block.hash]
+        block.hash = None
 
     def _name_if_full(
         self, block: Block, seq: Sequence, index: int, previous: bytes | None

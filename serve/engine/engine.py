@@ -2,6 +2,11 @@
 
 Other threads talk to the engine only through its inbox (submissions and cancellations) and
 the request handles it fills; everything else is touched by the engine thread alone.
+
+One request can never fail another. An error in what is done for one sequence (sampling,
+detokenizing, stop strings, delivery) ends that sequence alone; a failed forward ends the
+sequences of its batch alone; either way the failed requests' handles raise RequestFailed,
+their KV blocks are freed, and the engine goes on with every other request.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from tokenizers import Tokenizer
 
 from flare.serve.engine.output import Delta, RequestHandle, TextStream
@@ -36,6 +42,7 @@ class Counters:
     """Totals since start, for /metrics."""
 
     requests_finished: int = 0
+    requests_failed: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
@@ -100,8 +107,8 @@ class Engine:
             self._wake.wait()
             try:
                 self.step()
-            except Exception as exc:  # fail the requests in flight, keep serving others
-                log.exception("engine step failed")
+            except Exception as exc:  # a fault of the engine's own: nothing in flight is sure
+                log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(exc)
             if not self.scheduler.has_work() and self._inbox.empty():
                 self._wake.clear()
@@ -116,11 +123,25 @@ class Engine:
         if batch is None:
             return
         started = time.perf_counter()
-        logits = self.runner.run(batch.seqs, batch.prefill)
-        tokens, logprobs = self.sampler.sample(logits, batch.seqs)
-        for seq, token, logprob in zip(batch.seqs, tokens, logprobs, strict=True):
-            self._advance(self._requests[seq.id], token, logprob)
+        try:
+            logits = self.runner.run(batch.seqs, batch.prefill)
+            tops = self.sampler.scan(logits)
+        except Exception as exc:
+            log.exception("the forward of %d sequences failed", len(batch.seqs))
+            self._fail_batch(batch, exc)
+            return
+        for row, seq in enumerate(batch.seqs):
+            self._next_token(self._requests[seq.id], logits[row], tops[row])
         self._count(batch, time.perf_counter() - started)
+
+    def _next_token(self, request: _Request, logits: torch.Tensor, top: int | None) -> None:
+        """Sample, detokenize and emit one request's token; whatever fails here fails this
+        request alone, and the step goes on with the others."""
+        try:
+            token, logprob = self.sampler.pick(logits, request.seq, top)
+            self._advance(request, token, logprob)
+        except Exception as exc:
+            self._fail(request, exc)
 
     def _count(self, batch: ScheduledBatch, seconds: float) -> None:
         self.counters.steps += 1
@@ -146,12 +167,13 @@ class Engine:
     def _emit(self, request: _Request, delta: Delta) -> None:
         if delta.finish_reason is not None:
             self._retire(request)
+            self.counters.requests_finished += 1
         request.handle.push(delta)
 
     def _retire(self, request: _Request) -> None:
+        """Take the request out of the engine and free its blocks (once; again is a no-op)."""
         self.scheduler.finish(request.seq)
-        del self._requests[request.seq.id]
-        self.counters.requests_finished += 1
+        self._requests.pop(request.seq.id, None)
 
     def _add(self, request: _Request) -> None:
         self._requests[request.seq.id] = request
@@ -170,15 +192,31 @@ class Engine:
     def _begin_drain(self) -> None:
         self._draining = True
 
+    def _fail(self, request: _Request, error: Exception) -> None:
+        """End one request with an error: free its blocks, count it, say so in one line."""
+        log.error("request %d failed: %s: %s", request.seq.id, type(error).__name__, error)
+        self._retire(request)
+        self.counters.requests_failed += 1
+        request.handle.push(error)
+
+    def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> None:
+        """A forward that failed ends its batch's requests, whose blocks named this step may
+        lack their KV; the other requests' KV was written by earlier steps and stays."""
+        for seq in batch.seqs:
+            self.scheduler.blocks.forget(seq)
+            self._fail(self._requests[seq.id], error)
+
     def _fail_all(self, error: Exception) -> None:
+        """After an error of the engine itself (not of a request or a forward): end every
+        request and trust no cached block, so the engine starts clean for later requests."""
         self.scheduler.blocks.forget_cached()
         for request in list(self._requests.values()):
-            self._retire(request)
-            request.handle.push(error)
+            self._fail(request, error)
 
     def stats(self) -> dict[str, float]:
         return {
             "requests_finished": self.counters.requests_finished,
+            "requests_failed": self.counters.requests_failed,
             "requests_running": len(self.scheduler.running),
             "requests_waiting": len(self.scheduler.waiting),
             "prompt_tokens": self.counters.prompt_tokens,

@@ -31,6 +31,11 @@ class Delta:
     finish_reason: str | None
 
 
+class RequestFailed(RuntimeError):
+    """The engine ended this request with an error of its own (or of its batch's forward);
+    the message names the request and the cause. Other requests were not touched."""
+
+
 class TextStream:
     """Incremental detokenizer with stop strings for one request."""
 
@@ -86,8 +91,9 @@ class TextStream:
 class RequestHandle:
     """A submitted request: iterate it (blocking) or `async for` over `stream()`.
 
-    The engine thread pushes deltas; the last one has a finish_reason. An engine failure
-    is raised to the consumer. Use one of the two ways of reading, not both.
+    The engine thread pushes deltas; the last one has a finish_reason. If the engine ends
+    the request with an error instead, reading raises RequestFailed. Use one of the two ways
+    of reading, not both.
     """
 
     def __init__(self, request_id: int, cancel: Callable[[], None]) -> None:
@@ -141,6 +147,7 @@ class RequestHandle:
     def _unwrap(self, item: Delta | BaseException) -> Delta:
         if isinstance(item, BaseException):
             self.finished = True
-            raise RuntimeError(f"request {self.request_id} failed: {item}") from item
+            cause = f"{type(item).__name__}: {item}"
+            raise RequestFailed(f"request {self.request_id} failed: {cause}") from item
         self.finished = item.finish_reason is not None
         return item

@@ -81,10 +81,12 @@ class Scheduler:
         self.preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished or cancelled sequence wherever it is and free its blocks."""
+        """Remove a finished, cancelled or failed sequence wherever it is and free its blocks.
+        It may be in neither queue when a step failed half-way (a decode batch is out of
+        `running` while it is assembled); it is finished all the same."""
         if seq.status is Status.RUNNING:
-            self.running.remove(seq)
             self.blocks.free_sequence(seq)
-        elif seq.status is Status.WAITING:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
         seq.status = Status.FINISHED

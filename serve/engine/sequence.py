@@ -15,7 +15,8 @@ MAX_LOGPROBS = 20
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens: temperature 0 is greedy; `seed` makes sampling reproducible.
+    """How to pick tokens: temperature 0 (or below the sampler's GREEDY_BELOW) is greedy;
+    `seed` makes sampling reproducible.
 
     Checked when made and again when submitted (fields may be set in between)."""
 
