@@ -270,7 +270,8 @@ def test_a_failing_sequence_ends_alone_and_the_five_beside_it_answer(
 
 def test_the_openai_client_sees_a_server_error_and_the_server_goes_on(faulty: Served) -> None:
     api = openai.OpenAI(base_url=faulty.url, api_key="none", max_retries=0)
-    settings = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "seed": FAIL_SAMPLING_SEED}
+    settings = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8}
+    settings |= {"seed": FAIL_SAMPLING_SEED, "extra_body": {"ignore_eos": True}}
     with pytest.raises(openai.InternalServerError, match="injected sampling fault"):
         api.completions.create(**settings)
     with pytest.raises(openai.APIError, match="injected sampling fault"):

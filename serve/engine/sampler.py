@@ -32,9 +32,8 @@ class Sampler:
         """Every row's most likely token in one device sync, or None for a row the model
         broke (NaN or +inf anywhere, or nothing above -inf): no token of it can be trusted."""
         broken = (logits.isnan() | logits.isposinf()).any(dim=-1) | logits.isneginf().all(dim=-1)
-        return [
-            None if bad else top for top, bad in zip(*_host(logits.argmax(-1), broken), strict=True)
-        ]
+        tops, bad = torch.stack([logits.argmax(dim=-1), broken.long()]).tolist()
+        return [None if b else top for top, b in zip(tops, bad, strict=True)]
 
     def pick(
         self, logits: torch.Tensor, seq: Sequence, top: int | None
@@ -47,11 +46,6 @@ class Sampler:
         token = top if params.temperature < GREEDY_BELOW else _draw(logits, params, seq.generator)
         wanted = params.logprobs
         return token, None if wanted is None else _logprob(logits, token, wanted)
-
-
-def _host(*tensors: torch.Tensor) -> list[list[int]]:
-    """Tensors of one row each, as lists, in one copy from the device."""
-    return torch.stack([t.long() for t in tensors]).tolist()
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
