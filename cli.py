@@ -254,6 +254,13 @@ def build_command(
         ),
     ] = None,
     timeout: TimeoutOption = 300.0,
+    allow_outside_links: Annotated[
+        bool,
+        typer.Option(
+            "--allow-outside-links",
+            help="Build from files that link out of the checkpoint folder (refused by default).",
+        ),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Build a package from a checkpoint, resumably, and publish it to the registry."""
@@ -272,6 +279,7 @@ def build_command(
                 config["paths.hub_cache"],
                 progress,
                 source,
+                allow_outside_links,
             )
         _print_check(check, checked, as_json)
         return
@@ -288,6 +296,7 @@ def build_command(
         workers=workers,
         rendezvous=rendezvous,
         timeout=timeout,
+        allow_outside_links=allow_outside_links,
         staging=config["paths.export_staging"],
         hub_cache=config["paths.hub_cache"],
     )
