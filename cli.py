@@ -236,7 +236,10 @@ def build_command(
     name: Annotated[str | None, typer.Option(help="Package name.")] = None,
     tag: Annotated[str, typer.Option(help="Tag to point at the package.")] = "latest",
     ranks: Annotated[int, typer.Option(min=1, help="Tensor-parallel ranks.")] = 1,
-    model_id: Annotated[str | None, typer.Option(help="Model id (default: the source's).")] = None,
+    model_id: Annotated[
+        str | None,
+        typer.Option(help="Model id (default: the hub id, else config.json's, else --name)."),
+    ] = None,
     payload_size: Annotated[str, typer.Option(help="Target payload blob size.")] = "256M",
     registry: Annotated[str | None, typer.Option(help="Registry (default: the config's).")] = None,
     rehash: Annotated[bool, typer.Option(help="Hash every source file again.")] = False,
