@@ -33,6 +33,14 @@ class Shaped(Protocol):
 
 
 @dataclass(frozen=True)
+class _Held:
+    """A manifest's tensor as `Shaped`: its whole shape, and its payload for the file."""
+
+    shape: tuple[int, ...]
+    file: str
+
+
+@dataclass(frozen=True)
 class Witness:
     """A tensor dimension that holds a size (times another size `times`, when given)."""
 
@@ -154,12 +162,6 @@ def manifest_shapes(manifest: Manifest) -> dict[str, Shaped]:
                 shape[tensor.split.dim] *= tensor.split.parts
             shapes[tensor.name] = _Held(tuple(shape), f"payload {payload.digest}")
     return shapes
-
-
-@dataclass(frozen=True)
-class _Held:
-    shape: tuple[int, ...]
-    file: str
 
 
 def _positive(config: Mapping[str, Any], key: str, where: str) -> int:
