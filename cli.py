@@ -236,7 +236,10 @@ def build_command(
     name: Annotated[str | None, typer.Option(help="Package name.")] = None,
     tag: Annotated[str, typer.Option(help="Tag to point at the package.")] = "latest",
     ranks: Annotated[int, typer.Option(min=1, help="Tensor-parallel ranks.")] = 1,
-    model_id: Annotated[str | None, typer.Option(help="Model id (default: the source's).")] = None,
+    model_id: Annotated[
+        str | None,
+        typer.Option(help="Model id (default: the hub id, else config.json's, else --name)."),
+    ] = None,
     payload_size: Annotated[str, typer.Option(help="Target payload blob size.")] = "256M",
     registry: Annotated[str | None, typer.Option(help="Registry (default: the config's).")] = None,
     rehash: Annotated[bool, typer.Option(help="Hash every source file again.")] = False,
@@ -254,6 +257,13 @@ def build_command(
         ),
     ] = None,
     timeout: TimeoutOption = 300.0,
+    allow_outside_links: Annotated[
+        bool,
+        typer.Option(
+            "--allow-outside-links",
+            help="Build from files that link out of the checkpoint folder (refused by default).",
+        ),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Build a package from a checkpoint, resumably, and publish it to the registry."""
@@ -272,6 +282,7 @@ def build_command(
                 config["paths.hub_cache"],
                 progress,
                 source,
+                allow_outside_links,
             )
         _print_check(check, checked, as_json)
         return
@@ -288,6 +299,7 @@ def build_command(
         workers=workers,
         rendezvous=rendezvous,
         timeout=timeout,
+        allow_outside_links=allow_outside_links,
         staging=config["paths.export_staging"],
         hub_cache=config["paths.hub_cache"],
     )

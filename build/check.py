@@ -43,8 +43,10 @@ def check_build(
     hub_cache: Path,
     events: Events,
     source: str | None = None,
+    allow_outside_links: bool = False,
 ) -> CheckResult:
-    """Rebuild REF from its recorded inputs in a scratch area and compare the results."""
+    """Rebuild REF from its recorded inputs in a scratch area and compare the results.
+    Links out of the source are refused as in a build, unless `allow_outside_links`."""
     _, digest, manifest = registry.manifest(ref)
     source = source or _recorded_source(staging, manifest, ref)
     scratch = Path(tempfile.mkdtemp(prefix="check-", dir=_ensure(staging)))
@@ -58,6 +60,7 @@ def check_build(
             model_id=manifest.model.id,
             rehash=True,
             payload_bytes=int(manifest.options["payload_bytes"]),
+            allow_outside_links=allow_outside_links,
         )
         scratch_registry = Registry(str(scratch / "store"), f"sqlite:///{scratch / 'index.db'}")
         rebuilt = Build(request, scratch_registry, events, reuse=False).run()

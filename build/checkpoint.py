@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,8 @@ from flare.store.errors import InvalidInputError, NotFoundError, from_os_error
 from flare.store.safetensors import FormatError, read_header
 
 SHARD_INDEX = "model.safetensors.index.json"
+_HUB_REPO_ID = re.compile(r"^(?!.*(?:--|\.\.))\w(?:[\w.-]{0,94}\w)?/\w(?:[\w.-]{0,94}\w)?$")
+"""A hub repo id, ORG/NAME, as the hub allows it; a local path (`/x`, `./x`, `~/x`) is not."""
 
 
 @dataclass(frozen=True)
@@ -33,11 +37,23 @@ def read_config(source: Source) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except OSError as exc:
         raise from_os_error(exc, "read", path) from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # bad JSON or UTF-8, or an integer too long to convert
         raise InvalidInputError(f"{path} is not valid JSON: {exc}", "fix the checkpoint") from exc
     if not isinstance(config, dict):
         raise InvalidInputError(f"{path} is not a JSON object", "fix the checkpoint")
     return config
+
+
+def default_model_id(source: Source, config: Mapping[str, Any], package_name: str) -> str:
+    """The model id when --model-id is not given, from what the checkpoint is, never from
+    where it lies (a copy in another folder is the same package): a hub-cache snapshot's
+    ORG/NAME, else config.json's `_name_or_path` when it is a hub id, else the package name."""
+    if source.hub_id is not None:
+        return source.hub_id
+    claimed = config.get("_name_or_path")
+    if isinstance(claimed, str) and _HUB_REPO_ID.match(claimed):
+        return claimed
+    return package_name
 
 
 def weight_files(source: Source) -> tuple[str, ...]:

@@ -148,7 +148,7 @@ class Join:
         started = time.perf_counter()
         spec = self.request.checkpoint or setup["source"]
         try:
-            source = resolve_source(spec, self.request.hub_cache, setup["model_id"])
+            source = resolve_source(spec, self.request.hub_cache, setup["allow_outside_links"])
         except NotFoundError as exc:
             self._refuse_or_note(
                 mode, NotFoundError(f"rank {self.request.rank}: {exc.what}", _HINT)

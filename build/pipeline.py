@@ -15,7 +15,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from flare.build.checkpoint import SourceTensor, read_config, read_tensors, weight_files
+from flare.build.checkpoint import (
+    SourceTensor,
+    default_model_id,
+    read_config,
+    read_tensors,
+    weight_files,
+)
 from flare.build.faults import crash_point
 from flare.build.journal import Journal, inputs_digest
 from flare.build.payloads import payload_key, planned_size, store_payload
@@ -26,11 +32,12 @@ from flare.build.recipes.base import Recipe, check_tensors
 from flare.build.rendezvous import Rendezvous
 from flare.build.sources import Source, resolve_source
 from flare.build.statcache import StatCache, digest_files
+from flare.model_sizes import check_sizes
 from flare.registry.leases import Lease, add_to_lease, hold_lease
 from flare.registry.registry import Registry
 from flare.store.digest import Digest
 from flare.store.errors import IntegrityError, InvalidInputError
-from flare.store.hashing import FileState, hash_bytes, parallel_map
+from flare.store.hashing import FileState, check_unchanged, hash_bytes, parallel_map
 from flare.store.package import (
     FORMAT_VERSION,
     RUNTIME_ABI,
@@ -65,6 +72,9 @@ class BuildRequest:
     """HOST:PORT where the other ranks join (`flare join`): one process per rank."""
     timeout: float = 300.0
     """Seconds a rank may stay silent (or take to join) before the build stops, naming it."""
+    allow_outside_links: bool = False
+    """Build from files that link out of the checkpoint folder (refused by default). It only
+    permits: the package is the same bytes either way, so it is not a recorded option."""
 
     def options(self) -> dict[str, Any]:
         """The options that shape the package, recorded in its manifest."""
@@ -143,10 +153,11 @@ class Build:
         """Check the request, then every phase under a lease that keeps gc off its blobs."""
         started = time.perf_counter()
         request = self.request
-        self.source = resolve_source(request.source, request.hub_cache, request.model_id)
+        self.source = resolve_source(request.source, request.hub_cache, request.allow_outside_links)
         config = read_config(self.source)
         recipe, _architecture = recipe_for(config)
-        recipe.check_ranks(config, request.ranks)  # refused before any work is done
+        _check_config(self.source, config, recipe)  # refused before any work is done
+        recipe.check_ranks(config, request.ranks)
         with hold_lease(self.store, "build", protect_new=True) as self.lease, self._ranks():
             if self.leader is not None:  # resolve's time starts once every rank has joined
                 started = time.perf_counter()
@@ -351,9 +362,12 @@ class Build:
             add_to_lease(self.store, self.lease, digest)
 
     def _artifact(self, name: str, recorded: dict, recipe: Recipe) -> dict[str, Any]:
-        """Copy (never link: the source stays the user's) a runtime file; check its digest."""
+        """Copy (never link: the source stays the user's) a runtime file; check its digest.
+        It must still be the file resolve hashed (a link retargeted since is not stored)."""
         assert self.source is not None
-        result = self.store.put_file(self.source.root / name, link=False)
+        path = self.source.root / name
+        check_unchanged(path, self.states[name], FileState.of(path.stat()))
+        result = self.store.put_file(path, link=False)
         self._keep(result.digest)
         if str(result.digest) != recorded["digest"]:
             raise IntegrityError(
@@ -383,7 +397,8 @@ class Build:
                     "format": FORMAT_VERSION,
                     "name": self.request.name,
                     "model": {
-                        "id": source.model_id,
+                        "id": self.request.model_id
+                        or default_model_id(source, config, self.request.name),
                         "revision": source.revision,
                         "files": [{"path": n, **f} for n, f in sorted(files.items())],
                     },
@@ -453,6 +468,12 @@ class Build:
 
     def _inputs_digest(self, files: dict, recipe: Recipe) -> Digest:
         return hash_bytes(canonical_json(self._build_inputs(files, recipe)).encode())
+
+
+def _check_config(source: Source, config: dict[str, Any], recipe: Recipe) -> None:
+    """config.json's sizes against the weights' safetensors headers, before anything is
+    sized by them and before resolve hashes the files: a lying config fails in milliseconds."""
+    check_sizes(recipe.name, config, read_tensors(source), str(source.root / "config.json"))
 
 
 def _recipe_id(recipe: Recipe) -> dict[str, Any]:

@@ -95,7 +95,7 @@ class Leader:
             "setup",
             {
                 "source": build.request.source,
-                "model_id": build.source.model_id,
+                "allow_outside_links": build.request.allow_outside_links,
                 "files": files,
                 "plan": [p.describe() for p in plan],
                 "sizes": [planned_size(p) for p in plan],

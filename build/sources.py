@@ -1,4 +1,10 @@
-"""Sources: a local checkpoint folder, or ORG/NAME[@REVISION] found offline in the hub cache."""
+"""Sources: a local checkpoint folder, or ORG/NAME[@REVISION] found offline in the hub cache.
+
+A source is its folder's content and nothing else: a link that leads out of it is refused
+before any byte is read (it would publish whatever it points at, a key or /proc/self/environ,
+into a store others read), unless the user says they mean it. A hub-cache snapshot's links
+into its own repo folder (`snapshots/REV/file -> ../../blobs/HASH`) are inside it.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,8 @@ from flare.store.errors import InvalidInputError, NotFoundError
 
 _HUB_ID = re.compile(r"^(?P<org>[\w.-]+)/(?P<name>[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
+MAX_HOPS = 40
+"""Links followed in one chain at most, as the kernel does (a loop is a broken link)."""
 
 
 @dataclass(frozen=True)
@@ -18,20 +26,23 @@ class Source:
     """A checkpoint on this host: where it is, what it is called, which revision it is."""
 
     root: Path
-    model_id: str
+    hub_id: str | None
+    """ORG/NAME for a hub-cache snapshot; None for any other folder."""
     revision: str | None
     files: tuple[str, ...]
-    """Every regular file under root (links followed, dot-files skipped), relative, sorted."""
+    """Every regular file under root (file links followed, linked folders not entered,
+    dot-files skipped), relative, sorted."""
 
 
-def resolve_source(spec: str, hub_cache: Path, model_id: str | None = None) -> Source:
+def resolve_source(spec: str, hub_cache: Path, allow_outside_links: bool = False) -> Source:
     """Find the checkpoint a user named: a folder first, else a hub id in the cache."""
     folder = Path(spec).expanduser()
     if folder.is_dir():
-        return _folder_source(folder.absolute(), model_id)
+        return _folder_source(folder.absolute(), allow_outside_links)
     match = _HUB_ID.match(spec)
     if match and not folder.exists():
-        return _hub_source(match["org"], match["name"], match["rev"], hub_cache, model_id)
+        repo = _hub_repo(match["org"], match["name"], hub_cache)
+        return _snapshot(repo, _commit_for(repo, match["rev"] or "main"), allow_outside_links)
     if folder.exists():
         raise InvalidInputError(f"{spec} is not a folder", "pass a checkpoint folder")
     raise NotFoundError(
@@ -39,31 +50,32 @@ def resolve_source(spec: str, hub_cache: Path, model_id: str | None = None) -> S
     )
 
 
-def _folder_source(root: Path, model_id: str | None) -> Source:
+def _folder_source(root: Path, allow_outside_links: bool) -> Source:
     """A local folder; inside a hub cache snapshot, the id and revision come from its path."""
-    snapshot = root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--")
-    if snapshot:
-        cached_id = root.parent.parent.name.removeprefix("models--").replace("--", "/")
-        return _make(root, model_id or cached_id, root.name)
-    return _make(root, model_id or root.name, None)
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        return _snapshot(root.parent.parent, root.name, allow_outside_links)
+    return _make(root, root, None, None, allow_outside_links)
 
 
-def _hub_source(
-    org: str, name: str, revision: str | None, hub_cache: Path, model_id: str | None
-) -> Source:
+def _hub_repo(org: str, name: str, hub_cache: Path) -> Path:
     repo = hub_cache / f"models--{org}--{name}"
     if not repo.is_dir():
         raise NotFoundError(
             f"{org}/{name} is not in the hub cache {hub_cache}",
             f"download it first (`hf download {org}/{name}`) or set paths.hub_cache",
         )
-    commit = _commit_for(repo, revision or "main")
+    return repo
+
+
+def _snapshot(repo: Path, commit: str, allow_outside_links: bool) -> Source:
+    """The snapshot of one commit: its links may lead anywhere in the repo folder."""
     root = repo / "snapshots" / commit
+    hub_id = repo.name.removeprefix("models--").replace("--", "/")
     if not root.is_dir():
         raise NotFoundError(
-            f"{org}/{name}@{commit} has no snapshot in {repo}", "download that revision first"
+            f"{hub_id}@{commit} has no snapshot in {repo}", "download that revision first"
         )
-    return _make(root, model_id or f"{org}/{name}", commit)
+    return _make(root, repo, hub_id, commit, allow_outside_links)
 
 
 def _commit_for(repo: Path, revision: str) -> str:
@@ -80,24 +92,55 @@ def _commit_for(repo: Path, revision: str) -> str:
     return ref.read_text().strip()
 
 
-def _make(root: Path, model_id: str, revision: str | None) -> Source:
+def _make(
+    root: Path, container: Path, hub_id: str | None, revision: str | None, allow_outside: bool
+) -> Source:
     if not (root / "config.json").is_file():
         raise NotFoundError(f"{root} has no config.json", "pass a Hugging Face checkpoint folder")
-    return Source(root=root, model_id=model_id, revision=revision, files=_list_files(root))
+    inside = None if allow_outside else container.resolve()
+    return Source(root, hub_id, revision, _list_files(root, inside))
 
 
-def _list_files(root: Path) -> tuple[str, ...]:
+def _list_files(root: Path, inside: Path | None) -> tuple[str, ...]:
+    """Every regular file under root; each link must stay within `inside` (when given).
+    Linked folders are not entered (a file is listed once, where it really is)."""
     found = []
     for path in root.rglob("*"):
         rel = path.relative_to(root)
         if any(part.startswith(".") for part in rel.parts):
             continue
-        if path.is_symlink() and not path.exists():
-            raise NotFoundError(
-                f"{path} is a broken link to {os.readlink(path)}",
-                "the download is incomplete; fetch the checkpoint again",
-            )
+        if path.is_symlink():
+            _check_link(path, inside)
         if not path.is_file():
             continue
         found.append(rel.as_posix())
     return tuple(sorted(found))
+
+
+def _check_link(link: Path, inside: Path | None) -> None:
+    """The end of the link's chain must exist; and, followed hop by hop, each hop must land
+    within `inside` (a chain that leaves and comes back is refused too: what is outside can
+    change under the build)."""
+    if not link.exists():
+        raise NotFoundError(
+            f"{link} is a broken link to {os.readlink(link)}",
+            "the download is incomplete; fetch the checkpoint again",
+        )
+    hop = link
+    for _ in range(MAX_HOPS):
+        if inside is None or not hop.is_symlink():
+            return
+        hop = _landing(hop)
+        if not hop.is_relative_to(inside):
+            raise InvalidInputError(
+                f"{link} links to {hop}, outside the checkpoint {inside}",
+                "copy the file into the checkpoint, or pass --allow-outside-links to publish it",
+            )
+
+
+def _landing(link: Path) -> Path:
+    """Where one hop of a link lands: its target, with the folders on the way resolved."""
+    target = link.parent / os.readlink(link)
+    if target.name in ("", "..") or target == target.parent:
+        return Path(os.path.realpath(target))
+    return Path(os.path.realpath(target.parent)) / target.name

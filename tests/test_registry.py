@@ -67,10 +67,10 @@ def test_ls_shows_what_users_ask_about(registry: Registry, sources: Path, tmp_pa
     rows = {(r.name, r.digest): r for r in registry.listings()}
     a = rows[("alpha", str(made["a"]))]
     assert a.tags == ["latest", "v1"] and a.recipe == "llama/1" and a.ranks == 1
-    assert a.model == "tiny-0" and a.size > a.unique_size > 0 and not a.pinned
+    assert a.model == "alpha" and a.size > a.unique_size > 0 and not a.pinned
     assert a.created and a.publisher is None
     assert {r.name for r in registry.listings(name="beta")} == {"beta"}
-    assert [r.model for r in registry.listings(model="tiny-2")] == ["tiny-2"]
+    assert [r.name for r in registry.listings(model="beta")] == ["beta"]
 
 
 def test_tags_pins_and_rm(registry: Registry, sources: Path, tmp_path: Path) -> None:

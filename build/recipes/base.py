@@ -55,14 +55,6 @@ class Recipe(Protocol):
         """What a non-weight source file is to the runtime, or None if it does not ship."""
 
 
-def config_int(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    """An integer from config.json, or a clear error naming the key."""
-    value = config.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidInputError(f"config.json: {key} must be a positive integer, got {value!r}")
-    return value
-
-
 def check_divides(what: Mapping[str, int], ranks: int, supported: Iterable[int]) -> None:
     """Each count must split evenly over the ranks; say which does not and what would."""
     for key, count in what.items():

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flare.build.recipes.base import ARTIFACT_KINDS, Expected, config_int
+from flare.build.recipes.base import ARTIFACT_KINDS, Expected
+from flare.model_sizes import read_sizes
 from flare.store.errors import InvalidInputError
 
 SENTENCE_TRANSFORMERS_FILES = (
@@ -27,24 +28,20 @@ class BertRecipe:
             )
 
     def expected(self, config: Mapping[str, Any], ranks: int) -> dict[str, Expected]:
-        hidden = config_int(config, "hidden_size")
-        inter = config_int(config, "intermediate_size")
-        positions = config_int(config, "max_position_embeddings")
+        sizes = read_sizes(self.name, config)
+        hidden, inter = sizes["hidden_size"], sizes["intermediate_size"]
+        positions = sizes["max_position_embeddings"]
         tensors = {
-            "embeddings.word_embeddings.weight": Expected(
-                (config_int(config, "vocab_size"), hidden)
-            ),
+            "embeddings.word_embeddings.weight": Expected((sizes["vocab_size"], hidden)),
             "embeddings.position_embeddings.weight": Expected((positions, hidden)),
-            "embeddings.token_type_embeddings.weight": Expected(
-                (config_int(config, "type_vocab_size", 2), hidden)
-            ),
+            "embeddings.token_type_embeddings.weight": Expected((sizes["type_vocab_size"], hidden)),
             "embeddings.LayerNorm.weight": Expected((hidden,)),
             "embeddings.LayerNorm.bias": Expected((hidden,)),
             "embeddings.position_ids": Expected((1, positions), optional=True),
             "pooler.dense.weight": Expected((hidden, hidden), optional=True),
             "pooler.dense.bias": Expected((hidden,), optional=True),
         }
-        for i in range(config_int(config, "num_hidden_layers")):
+        for i in range(sizes["num_hidden_layers"]):
             p = f"encoder.layer.{i}."
             for part in ("query", "key", "value"):
                 tensors[f"{p}attention.self.{part}.weight"] = Expected((hidden, hidden))

@@ -10,12 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flare.build.recipes.base import (
-    Expected,
-    check_divides,
-    config_int,
-    default_artifact_kind,
-)
+from flare.build.recipes.base import Expected, check_divides, default_artifact_kind
+from flare.model_sizes import read_sizes
 
 SUPPORTED_RANKS = (1, 2, 4, 8)
 
@@ -31,21 +27,18 @@ class LlamaRecipe:
     )
 
     def check_ranks(self, config: Mapping[str, Any], ranks: int) -> None:
-        heads = config_int(config, "num_attention_heads")
-        counts = {
-            "num_attention_heads": heads,
-            "num_key_value_heads": config_int(config, "num_key_value_heads", heads),
-            "intermediate_size": config_int(config, "intermediate_size"),
-        }
-        check_divides(counts, ranks, SUPPORTED_RANKS)
+        sizes = read_sizes(self.name, config)
+        keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+        check_divides({key: sizes[key] for key in keys}, ranks, SUPPORTED_RANKS)
 
     def expected(self, config: Mapping[str, Any], ranks: int) -> dict[str, Expected]:
-        hidden = config_int(config, "hidden_size")
-        heads = config_int(config, "num_attention_heads")
-        kv_heads = config_int(config, "num_key_value_heads", heads)
-        head_dim = config_int(config, "head_dim", hidden // heads)
-        inter = config_int(config, "intermediate_size")
-        vocab = config_int(config, "vocab_size")
+        sizes = read_sizes(self.name, config)
+        hidden, heads, kv_heads = (
+            sizes["hidden_size"],
+            sizes["num_attention_heads"],
+            sizes["num_key_value_heads"],
+        )
+        head_dim, inter, vocab = sizes["head_dim"], sizes["intermediate_size"], sizes["vocab_size"]
         vocab_dim = 0 if vocab % ranks == 0 else None
         qwen3 = config.get("architectures", [None])[0] == "Qwen3ForCausalLM"
         tensors = {
@@ -55,7 +48,7 @@ class LlamaRecipe:
                 (vocab, hidden), vocab_dim, optional=bool(config.get("tie_word_embeddings"))
             ),
         }
-        for i in range(config_int(config, "num_hidden_layers")):
+        for i in range(sizes["num_hidden_layers"]):
             p = f"model.layers.{i}."
             q, kv = heads * head_dim, kv_heads * head_dim
             tensors |= {
