@@ -255,14 +255,24 @@ class Registry:
         """Bytes the packages take: in all, shared by several, held by one only."""
         return self.db.read(_usage)
 
-    def verify(self, ref: str | None = None, workers: int | None = None) -> VerifyReport:
-        """Re-hash the index and blobs of one package (or every package) in parallel."""
+    def verify(
+        self,
+        ref: str | None = None,
+        workers: int | None = None,
+        dry_run: bool = False,
+        restore: bool = False,
+    ) -> VerifyReport:
+        """Re-hash the index and blobs of one package (or every package) in parallel; with
+        `restore`, put back quarantined blobs that hash right first (BlobStore.verify)."""
+        restored = self.store.restore() if restore and not dry_run else []
         wanted: set[Digest] = set()
         for digest in self.packages(ref):
             wanted.add(digest)
             if self.store.has(digest):
                 wanted.update(refs.read_manifest(self.store, digest).blobs())
-        return self.store.verify(sorted(wanted), workers=workers)
+        report = self.store.verify(sorted(wanted), workers=workers, dry_run=dry_run)
+        report.restored = restored
+        return report
 
     def packages(self, ref: str | None = None) -> list[Digest]:
         """The package REF names, or every package recorded under a name."""

@@ -35,6 +35,9 @@ class Backend(Protocol):
     stale_after_s: float
     sweep_processes: int
     """How many processes gc's sweep lists this store's folders with (store/sweep.py)."""
+    network: bool
+    """Other hosts share these files through clients that may cache stale listings, sizes
+    and bytes: verify confirms a bad read after a pause, and nothing is memory-mapped."""
 
     def ensure(self) -> None:
         """Create the root and its working folders if they are missing."""
@@ -47,6 +50,9 @@ class Backend(Protocol):
 
     def open_read(self, key: str) -> BinaryIO:
         """Open the file at key for reading."""
+
+    def open_uncached(self, key: str) -> BinaryIO:
+        """Open the file at key to read its bytes as stored, past this host's caches."""
 
     def create_temp(self) -> TempFile:
         """A new, uniquely named temporary file inside the store, open for writing."""
@@ -75,6 +81,9 @@ class Backend(Protocol):
 
     def move(self, key: str, new_key: str) -> None:
         """Move a file to another key (used to quarantine corrupt blobs)."""
+
+    def move_no_clobber(self, key: str, new_key: str) -> bool:
+        """Move a file to another key only if nothing is there; False (file left) if taken."""
 
     def remove(self, key: str) -> None:
         """Delete the file at key; a missing file is not an error."""
