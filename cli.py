@@ -162,15 +162,19 @@ def open_registry(
     where = location or config.registry
     configured = config.database and where == config.registry
     database = config.database if configured else default_database(where, config.home)
+    options = (config.store_encoding, config.zstd_level)
     try:
-        return Registry(where, database, config.store_encoding, config.zstd_level, create)
+        opened = Registry(where, database, *options, create, config.cache_window)
     except UnusableIndexError as exc:
         if not (set_aside_corrupt and exc.corrupt and database.startswith("sqlite:///")):
             raise
-    broken = Path(database.removeprefix("sqlite:///"))
-    broken.rename(broken.with_name(f"{broken.name}.corrupt"))
-    err.print(f"moved the unreadable index DB to {broken}.corrupt", markup=False)
-    return Registry(where, database, config.store_encoding, config.zstd_level)
+        broken = Path(database.removeprefix("sqlite:///"))
+        broken.rename(broken.with_name(f"{broken.name}.corrupt"))
+        err.print(f"moved the unreadable index DB to {broken}.corrupt", markup=False)
+        opened = Registry(where, database, *options, cache_window_s=config.cache_window)
+    for note in opened.notes:
+        err.print(note, markup=False)
+    return opened
 
 
 def open_store(location: str | None, existing: bool = False) -> BlobStore:

@@ -122,7 +122,14 @@ SETTINGS: tuple[Setting, ...] = (
         "FLARE_DATABASE",
         str,
         lambda _h, _e: "",
-        "index DB URL; empty: SQLite beside the registry's blobs",
+        "index DB URL; empty: SQLite beside the registry's blobs, or this host's own",
+    ),
+    Setting(
+        "registry.cache_window",
+        "FLARE_CACHE_WINDOW",
+        parse_duration,
+        lambda _h, _e: "60s",
+        "how stale a network filesystem's listings and attributes may be on a host",
     ),
     Setting(
         "memory.reserve",
@@ -196,6 +203,10 @@ class Config:
     @property
     def database(self) -> str:
         return self["registry.database"]
+
+    @property
+    def cache_window(self) -> float:
+        return self["registry.cache_window"]
 
     @property
     def store_encoding(self) -> Encoding:

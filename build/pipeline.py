@@ -178,8 +178,9 @@ class Build:
             rendezvous.close()
 
     def _check_published(self, manifest: Manifest) -> None:
-        """Every blob the package names is stored (a gc racing a resumed build is caught)."""
-        missing = [d for d in manifest.blobs() if not self.store.has(d)]
+        """Every blob the package names is stored (a gc racing a resumed build is caught),
+        asked of the server, not of a network client's cache."""
+        missing = [d for d in manifest.blobs() if not self.store.confirm(d)]
         if missing:
             raise IntegrityError(
                 f"blob {missing[0]} of the new package is gone from {self.store.location}",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from flare.registry import marks, refs, signatures
+from flare.registry import journal, marks, refs, signatures
 from flare.registry.leases import drop_expired_leases, live_leases
 from flare.registry.marks import Marked
 from flare.registry.registry import Registry
@@ -119,6 +119,7 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
         report.marks = marks.drop_orphans(registry.store)
         report.temp_files = registry.store.sweep_temps()
         drop_expired_leases(registry.store)
+        journal.drop_old(registry.store)
     return report
 
 

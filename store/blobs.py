@@ -335,7 +335,8 @@ class BlobStore:
         self._prepare_writes()
         temp = self.backend.create_temp()
         try:
-            hex_digest = splice_hashing(pieces, temp.file.fileno(), progress)
+            mapped = not self.backend.network
+            hex_digest = splice_hashing(pieces, temp.file.fileno(), progress, mapped)
         except OSError as exc:
             self.backend.discard(temp)
             raise from_os_error(exc, "write a blob into", self.location) from exc
@@ -496,12 +497,17 @@ class BlobStore:
         """Mark a stored blob as just used, so gc's grace period protects it; False if absent.
 
         Writers touch a blob they find already stored: it may have been garbage a moment ago,
-        and a collector deletes only blobs untouched for its whole grace period."""
-        info = self.locate(digest)
-        if info is None:
-            return False
-        self.backend.touch(blob_key(digest, info.encoding))
-        return True
+        and a collector deletes only blobs untouched for its whole grace period. The blob is
+        opened to be touched, so the answer comes from the server on a network filesystem,
+        not from a client's cache that may still list a blob another host collected."""
+        encodings = (self.encoding, *(e for e in Encoding if e is not self.encoding))
+        return any(self.backend.touch(blob_key(digest, e)) for e in encodings)
+
+    def confirm(self, digest: Digest) -> bool:
+        """Whether the blob is stored, asked of the server where there is one (a fresh open),
+        for decisions a stale cache must not make: that a new package is complete."""
+        encodings = (self.encoding, *(e for e in Encoding if e is not self.encoding))
+        return any(self.backend.exists(blob_key(digest, e)) for e in encodings)
 
     # -- reading --------------------------------------------------------------------------
 

@@ -97,16 +97,21 @@ class PiecesReader(io.RawIOBase):
         return got
 
 
-def splice_hashing(pieces: Sequence[Piece], dest: int, progress: Progress | None = None) -> str:
+def splice_hashing(
+    pieces: Sequence[Piece], dest: int, progress: Progress | None = None, mapped: bool = True
+) -> str:
     """Write the pieces into the empty file `dest` (open for reading and writing) in the
-    kernel; return the BLAKE3 hex digest of the bytes the file then holds."""
+    kernel; return the BLAKE3 hex digest of the bytes the file then holds. Without `mapped`
+    (a network filesystem, whose client may see its own file's size late or not keep a map
+    coherent), the bytes are read back instead of mapped."""
     size = pieces_size(pieces)
     hasher = new_hasher(1)
     if size == 0:
         return hasher.hexdigest()
     os.ftruncate(dest, size)  # so that the whole file can be mapped before it is filled
     with ExitStack() as stack:
-        writer = _SpanWriter(dest, _map(dest, size, stack), hasher, progress)
+        landed = _map(dest, size, stack) if mapped else None
+        writer = _SpanWriter(dest, landed, hasher, progress)
         for piece in pieces:
             if isinstance(piece, bytes):
                 writer.write(piece)
@@ -124,7 +129,7 @@ def _map(dest: int, size: int, stack: ExitStack) -> memoryview | None:
     direct I/O, CIFS without a cache): the spans are then read back to be hashed."""
     try:
         mapped = stack.enter_context(mmap.mmap(dest, size, prot=mmap.PROT_READ))
-    except OSError:
+    except (OSError, ValueError):  # ValueError: the size mmap saw is not yet the truncated one
         return None
     return stack.enter_context(memoryview(mapped))
 

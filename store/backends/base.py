@@ -111,8 +111,12 @@ class Backend(Protocol):
     def stat(self, key: str) -> tuple[int, float] | None:
         """The file's size and modification time, or None when there is none."""
 
-    def touch(self, key: str) -> None:
-        """Set the file's modification time to now (marks a blob as in use for gc's grace)."""
+    def touch(self, key: str) -> bool:
+        """Set the file's modification time to now (marks a blob as in use for gc's grace);
+        False if there is no file (asked of the server, not of a client's cache)."""
+
+    def exists(self, key: str) -> bool:
+        """Whether a file is at key, asked of the server, not of a client's cache."""
 
     def free_bytes(self) -> int | None:
         """Free space under the root, where the backend can tell."""

@@ -329,8 +329,15 @@ def _rename_no_clobber(temp: Path, dest: Path) -> bool:
 
 def temp_name() -> str:
     """A unique temp file name that says which host and process writes it."""
-    host = socket.gethostname().replace(".", "_") or "host"
-    return f"{host}.{os.getpid()}.{secrets.token_hex(8)}.part"
+    return f"{_host()}.{os.getpid()}.{secrets.token_hex(8)}.part"
+
+
+def _host() -> str:
+    return socket.gethostname().replace(".", "_") or "host"
+
+
+FOREIGN_STALE_S = 86400.0
+"""Another host's temp file on a network filesystem is abandoned after this long unchanged."""
 
 
 MAX_SWEEP_PROCESSES = 8
@@ -426,7 +433,7 @@ class LocalBackend:
     def commit(self, temp: TempFile, key: str) -> bool:
         assert temp.path is not None
         dest = self._path(key)
-        if dest.exists():
+        if self.exists(key):
             self.discard(temp)
             return False
         try:
@@ -436,6 +443,9 @@ class LocalBackend:
             os.fchmod(fd, 0o444)
             make_dir_durable(dest.parent)
             published = publish_no_clobber(temp.path, dest)
+            if not published and not self.exists(key):  # a client's stale "exists"
+                os.replace(temp.path, dest)  # the same bytes by construction
+                published = True
             fsync_dir(dest.parent)
         except OSError as exc:
             self.discard(temp)
@@ -487,7 +497,9 @@ class LocalBackend:
         try:
             make_dir_durable(dest.parent)
             if not publish_no_clobber(source, dest):
-                return False
+                if self.exists(new_key):
+                    return False
+                os.replace(source, dest)  # the name was taken only in a client's stale cache
             source.unlink(missing_ok=True)  # the link's source; gone already after a rename
             fsync_dir(dest.parent)
             fsync_dir(source.parent)
@@ -502,14 +514,20 @@ class LocalBackend:
             raise from_os_error(exc, "remove", self._path(key)) from exc
 
     def sweep_temps(self, stale_after_s: float) -> list[str]:
-        """Remove temp files older than the threshold whose writer no longer holds its lock."""
+        """Remove temp files older than the threshold whose writer no longer holds its lock.
+
+        On a network filesystem a lock is seen on its own host only (sshfs has no remote
+        locks; NFS mounted with local_lock neither): another host's temp file is left until it
+        is FOREIGN_STALE_S old, as on an object store."""
         removed = []
         try:
             entries = list(os.scandir(self.root / TMP_DIR))
         except FileNotFoundError:
             return removed
-        cutoff = time.time() - stale_after_s
+        now, mine = time.time(), f"{_host()}."
         for entry in entries:
+            foreign = self.network and not entry.name.startswith(mine)
+            cutoff = now - (max(stale_after_s, FOREIGN_STALE_S) if foreign else stale_after_s)
             if _is_abandoned(entry, cutoff):
                 Path(entry.path).unlink(missing_ok=True)
                 removed.append(f"{TMP_DIR}/{entry.name}")
@@ -567,10 +585,33 @@ class LocalBackend:
             return None
         return st.st_size, st.st_mtime
 
-    def touch(self, key: str) -> None:
-        """Best effort: another user's blob cannot be touched (leases protect it instead)."""
-        with contextlib.suppress(FileNotFoundError, PermissionError):
-            os.utime(self._path(key))
+    def touch(self, key: str) -> bool:
+        """Through a fresh open (a network client's cached attributes may list a file another
+        host removed); setting the time is best effort: another user's blob cannot be touched
+        (leases protect it instead)."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise from_os_error(exc, "touch", self._path(key)) from exc
+        try:
+            with contextlib.suppress(PermissionError):
+                os.utime(fd)
+        finally:
+            os.close(fd)
+        return True
+
+    def exists(self, key: str) -> bool:
+        """Asked by opening the file: a fresh answer from the server of a network filesystem
+        (sshfs and NFS check on open), where a stat may answer from the client's cache."""
+        try:
+            os.close(os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC))
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise from_os_error(exc, "open", self._path(key)) from exc
+        return True
 
     def free_bytes(self) -> int | None:
         try:

@@ -181,8 +181,13 @@ class FsspecBackend:
             return None
         return int(info["size"]), _modified(info) or 0.0
 
-    def touch(self, key: str) -> None:
+    def touch(self, key: str) -> bool:
         """Object stores cannot change a modification time without rewriting the object."""
+        return self.exists(key)
+
+    def exists(self, key: str) -> bool:
+        self.fs.invalidate_cache(self._path(key))
+        return bool(self.fs.exists(self._path(key)))
 
     def free_bytes(self) -> int | None:
         return None
