@@ -171,7 +171,7 @@ def open_registry(
         broken = Path(database.removeprefix("sqlite:///"))
         broken.rename(broken.with_name(f"{broken.name}.corrupt"))
         err.print(f"moved the unreadable index DB to {broken}.corrupt", markup=False)
-        opened = Registry(where, database, *options, cache_window_s=config.cache_window)
+        opened = Registry(where, database, *options, cache_window=config.cache_window)
     for note in opened.notes:
         err.print(note, markup=False)
     return opened

@@ -58,6 +58,10 @@ def _optional_path(text: str | Path) -> Path | None:
     return Path(text).expanduser().absolute() if str(text) else None
 
 
+def _optional_duration(text: str) -> float | None:
+    return parse_duration(text) if str(text).strip() else None
+
+
 def _level(text: str | int) -> int:
     return check_zstd_level(int(text))
 
@@ -127,9 +131,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "registry.cache_window",
         "FLARE_CACHE_WINDOW",
-        parse_duration,
-        lambda _h, _e: "60s",
-        "how stale a network filesystem's listings and attributes may be on a host",
+        _optional_duration,
+        lambda _h, _e: "",
+        "how stale a network filesystem's listings may be; empty: by its type",
     ),
     Setting(
         "memory.reserve",
@@ -205,7 +209,7 @@ class Config:
         return self["registry.database"]
 
     @property
-    def cache_window(self) -> float:
+    def cache_window(self) -> float | None:
         return self["registry.cache_window"]
 
     @property

@@ -26,7 +26,7 @@ from flare.build.recipes.base import Recipe, check_tensors
 from flare.build.rendezvous import Rendezvous
 from flare.build.sources import Source, resolve_source
 from flare.build.statcache import StatCache, digest_files
-from flare.registry.leases import Lease, add_to_lease, hold_lease
+from flare.registry.leases import Lease, add_to_lease, hold_lease, outlast_caches
 from flare.registry.registry import Registry
 from flare.store.digest import Digest
 from flare.store.errors import IntegrityError, InvalidInputError
@@ -151,6 +151,7 @@ class Build:
             if self.leader is not None:  # resolve's time starts once every rank has joined
                 started = time.perf_counter()
             result = self._run(started, recipe, config)
+            outlast_caches(self.registry.cache_window_s)
             self._check_published(result.manifest)
             if self.leader is not None:
                 self.leader.finish(str(result.digest))

@@ -17,7 +17,7 @@ from flare.registry import journal, localindex, marks, refs, signatures
 from flare.registry.database import IndexDB
 from flare.registry.models import package_blobs, packages, publications, tags
 from flare.sign.errors import UntrustedError
-from flare.store.backends.filesystems import on_network_filesystem
+from flare.store.backends.filesystems import cache_window_s, filesystem_type, on_network_filesystem
 from flare.store.blobs import BlobStore, VerifyReport
 from flare.store.digest import Digest
 from flare.store.encoding import Encoding
@@ -27,9 +27,9 @@ if TYPE_CHECKING:
     from flare.store.package import Manifest
 
 INDEX_FILE = "index.db"
-CACHE_WINDOW_S = 60.0
-"""How long a network client may show a listing or attributes as they were (NFS's default
-`acdirmax`; sshfs caches for 20 s): the setting registry.cache_window."""
+CLOCK_SKEW_S = 120.0
+"""How far apart the clocks of a shared registry's hosts (and its server) may be: lease
+expiries and starts, and modification times, are compared across them."""
 
 
 class PinnedError(FlareError):
@@ -74,7 +74,7 @@ class Registry:
         encoding: Encoding = Encoding.PLAIN,
         zstd_level: int = 3,
         create: bool = True,
-        cache_window_s: float = CACHE_WINDOW_S,
+        cache_window: float | None = None,
     ) -> None:
         self.store = BlobStore(location, encoding, zstd_level)
         if not create and not self.store.backend.list_dir(""):
@@ -85,12 +85,28 @@ class Registry:
         self.db = IndexDB(database)
         localindex.check_index_place(self)
         self.db.migrate()
-        self.cache_window_s = cache_window_s if self.store.backend.network else 0.0
+        self.cache_window_s = self._cache_window(cache_window)
         """How stale this host's view of the store's listings may be (0 on a local disk)."""
         self.notes: list[str] = []
         """Things the user should hear once, said while opening (the CLI prints them)."""
         if self.db.sqlite_path is not None and self.store.backend.network:
             self.notes = localindex.sync(self, self.cache_window_s)
+
+    def _cache_window(self, configured: float | None) -> float:
+        """The configured window (registry.cache_window), else the filesystem type's."""
+        if not self.store.backend.network:
+            return 0.0
+        if configured is not None:
+            return configured
+        root = self.store.backend.local_path("")
+        return 0.0 if root is None else cache_window_s(filesystem_type(root))
+
+    @property
+    def gc_margin_s(self) -> float:
+        """How much longer than its grace period (or than a build lease's age) gc leaves a blob
+        on a shared registry: another host's touch or lease may show a cache window late, and
+        times come from clocks CLOCK_SKEW_S apart. 0 on a local disk, where neither applies."""
+        return self.cache_window_s + CLOCK_SKEW_S if self.store.backend.network else 0.0
 
     @property
     def location(self) -> str:

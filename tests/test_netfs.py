@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -220,3 +221,110 @@ def test_a_sqlite_index_inside_a_shared_registry_is_refused(
     assert refused.returncode == 4, refused.stderr
     assert "network filesystem (fuse.sshfs)" in refused.stderr
     assert "PostgreSQL" in refused.stderr
+
+
+def gc_until_done(host: Host, busy: list[bool]) -> int:
+    """`gc --grace 0` again and again on one host while the other works."""
+    rounds = 0
+    while busy[0]:
+        host.run("registry", "gc", "--grace", "0")
+        rounds += 1
+    return rounds
+
+
+def age(paths: list[Path], seconds: float) -> None:
+    """Set modification times back, on the server, as if the files were written long ago."""
+    then = time.time() - seconds
+    for path in paths:
+        os.utime(path, (then, then))
+
+
+def test_gc_on_one_host_while_the_other_builds_and_pulls_removes_nothing_needed(
+    share: NetworkShare, hosts: list[Host], checkpoints: Path
+) -> None:
+    worker, collector = hosts
+    worker.run("build", str(checkpoints / "ckpt-0"), "--name", "old")
+    worker.run("registry", "rm", "old")  # garbage now, sharing every payload with "again"
+    busy = [True]
+    with ThreadPoolExecutor(1) as pool:
+        rounds = pool.submit(gc_until_done, collector, busy)
+        try:
+            for source, name in (("ckpt-0", "again"), ("ckpt-1", "fresh")):
+                worker.run("build", str(checkpoints / source), "--name", name)
+                worker.run("pull", name, "--device", "cpu")
+        finally:
+            busy[0] = False
+        assert rounds.result() >= 1
+    for host in hosts:
+        assert wait_until_listed(host, {"again:latest", "fresh:latest"}) >= {"again:latest"}
+        report = host.json("registry", "verify")
+        assert report["ok"] and report["missing"] == [] and report["quarantined"] == []
+
+
+def test_gc_on_a_shared_registry_waits_out_caches_and_clocks_before_it_deletes(
+    share: NetworkShare, hosts: list[Host], checkpoints: Path
+) -> None:
+    """--grace 0 on a network filesystem still keeps what was written less than a cache
+    window plus the clock skew ago (another host's lease or touch may not show yet)."""
+    from flare.registry.registry import CLOCK_SKEW_S
+
+    writer, collector = hosts
+    digest = writer.json("build", str(checkpoints / "ckpt-0"), "--name", "gone")["digest"]
+    writer.run("registry", "rm", "gone")
+    server = share.export / writer.registry.parent.name / "registry"
+    index = server / "blobs" / "blake3" / digest[7:9] / digest[7:]
+    time.sleep(DCACHE_S + 1)
+    kept = collector.json("registry", "gc", "--grace", "0")
+    assert digest not in kept["deleted"] and index.exists()
+    age([p for p in (server / "blobs").rglob("*") if p.is_file()], CLOCK_SKEW_S + DCACHE_S + 5)
+    time.sleep(DCACHE_S + 1)
+    swept = collector.json("registry", "gc", "--grace", "0")
+    assert digest in swept["deleted"] and not index.exists()
+
+
+HOLD_LEASE = """
+import sys
+from flare.registry.leases import hold_lease
+from flare.store import BlobStore, Digest
+store = BlobStore(sys.argv[1])
+with hold_lease(store, "serve", [Digest.parse(sys.argv[2])]):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_a_lease_from_a_host_whose_clock_is_behind_still_protects_its_package(
+    share: NetworkShare, hosts: list[Host], checkpoints: Path
+) -> None:
+    """A serving host whose clock is 150 s behind writes lease expiries that the collecting
+    host's clock already finds past: gc allows for the clock skew."""
+    faketime = shutil.which("faketime")
+    if faketime is None:
+        pytest.skip("faketime is not installed (Debian package faketime)")
+    from flare.registry.registry import CLOCK_SKEW_S
+
+    server_host, collector = hosts
+    digest = server_host.json("build", str(checkpoints / "ckpt-1"), "--name", "served")["digest"]
+    server_host.run("registry", "rm", "served")
+    server = share.export / server_host.registry.parent.name / "registry"
+    age([p for p in (server / "blobs").rglob("*") if p.is_file()], CLOCK_SKEW_S + DCACHE_S + 5)
+    behind = f"-{int(CLOCK_SKEW_S) + 30}s"
+    command = [faketime, "-f", behind, sys.executable, "-c", HOLD_LEASE]
+    holder = subprocess.Popen(
+        [*command, str(server_host.registry), digest],
+        env=server_host.env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        time.sleep(DCACHE_S + 1)
+        kept = collector.json("registry", "gc", "--grace", "0")
+        assert digest not in kept["deleted"]
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    time.sleep(DCACHE_S + 1)
+    assert digest in collector.json("registry", "gc", "--grace", "0")["deleted"]

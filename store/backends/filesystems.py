@@ -76,3 +76,18 @@ def is_network(fstype: str) -> bool:
 def on_network_filesystem(path: Path) -> bool:
     """True when path lies on a filesystem other hosts may share."""
     return is_network(filesystem_type(path))
+
+
+CACHE_WINDOWS_S = {"fuse.sshfs": 21.0}
+"""How long a client may show a listing or a file's attributes as they were, by filesystem:
+sshfs caches for `dcache_timeout` (20 s by default); NFS for up to `acdirmax`/`acregmax`
+(60 s by default), and other network filesystems are given the same. One second more for the
+kernel's own entry and attribute caches."""
+NETWORK_CACHE_WINDOW_S = 61.0
+
+
+def cache_window_s(fstype: str) -> float:
+    """The default cache window of a filesystem type: 0 for a local one."""
+    if not is_network(fstype):
+        return 0.0
+    return CACHE_WINDOWS_S.get(fstype, NETWORK_CACHE_WINDOW_S)
