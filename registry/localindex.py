@@ -112,7 +112,7 @@ def sync(registry: Registry, window_s: float) -> list[str]:
         synced = registry.db.read(_synced_at)
         listed = journal.entries(registry.store)
         if synced is None or now - synced > journal.KEEP_S / 2:
-            notes = _rebuild(registry, listed, now)
+            notes = _rebuild(registry, listed, now, window_s)
         else:
             notes = []
             _catch_up(registry, listed, now, window_s)
@@ -142,7 +142,7 @@ def _host_lock(index: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _rebuild(registry: Registry, listed: list[str], now: float) -> list[str]:
+def _rebuild(registry: Registry, listed: list[str], now: float, window_s: float) -> list[str]:
     """Index every name from its ref files; remember the journal as it is (each entry is
     applied once more a cache window from now, in case a listing was stale)."""
     store = registry.store
@@ -150,7 +150,7 @@ def _rebuild(registry: Registry, listed: list[str], now: float) -> list[str]:
     for name in sorted(set(refs.names(store)) | indexed):
         refresh_name(registry, name, None)
     registry.db.write(_forget_seen)
-    registry.db.write(lambda c: _mark_seen(c, listed, now, settled=False))
+    registry.db.write(lambda c: _mark_seen(c, listed, now, settled=window_s <= 0))
     return _shared_index_note(registry)
 
 

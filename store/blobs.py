@@ -327,16 +327,17 @@ class BlobStore:
 
     def put_pieces(self, pieces: Sequence[Piece], progress: Progress | None = None) -> PutResult:
         """Store the concatenation of pieces (bytes, runs of open files): copied file to file
-        by the kernel where this store is a local folder in the plain encoding, else
-        streamed."""
-        if self.encoding is not Encoding.PLAIN or self.backend.local_path(TMP_DIR) is None:
+        by the kernel where this store is a folder on a local disk in the plain encoding, else
+        streamed: on a network filesystem the kernel copy would be hashed by reading the new
+        file back from the server, twice the traffic of hashing the bytes as they are sent."""
+        kernel_copy = self.backend.local_path(TMP_DIR) is not None and not self.backend.network
+        if self.encoding is not Encoding.PLAIN or not kernel_copy:
             reader = PiecesReader(pieces)
             return self.put_stream(reader, reader.size, progress=progress)  # type: ignore[arg-type]
         self._prepare_writes()
         temp = self.backend.create_temp()
         try:
-            mapped = not self.backend.network
-            hex_digest = splice_hashing(pieces, temp.file.fileno(), progress, mapped)
+            hex_digest = splice_hashing(pieces, temp.file.fileno(), progress)
         except OSError as exc:
             self.backend.discard(temp)
             raise from_os_error(exc, "write a blob into", self.location) from exc

@@ -97,21 +97,16 @@ class PiecesReader(io.RawIOBase):
         return got
 
 
-def splice_hashing(
-    pieces: Sequence[Piece], dest: int, progress: Progress | None = None, mapped: bool = True
-) -> str:
+def splice_hashing(pieces: Sequence[Piece], dest: int, progress: Progress | None = None) -> str:
     """Write the pieces into the empty file `dest` (open for reading and writing) in the
-    kernel; return the BLAKE3 hex digest of the bytes the file then holds. Without `mapped`
-    (a network filesystem, whose client may see its own file's size late or not keep a map
-    coherent), the bytes are read back instead of mapped."""
+    kernel; return the BLAKE3 hex digest of the bytes the file then holds."""
     size = pieces_size(pieces)
     hasher = new_hasher(1)
     if size == 0:
         return hasher.hexdigest()
     os.ftruncate(dest, size)  # so that the whole file can be mapped before it is filled
     with ExitStack() as stack:
-        landed = _map(dest, size, stack) if mapped else None
-        writer = _SpanWriter(dest, landed, hasher, progress)
+        writer = _SpanWriter(dest, _map(dest, size, stack), hasher, progress)
         for piece in pieces:
             if isinstance(piece, bytes):
                 writer.write(piece)
