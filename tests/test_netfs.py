@@ -328,3 +328,36 @@ def test_a_lease_from_a_host_whose_clock_is_behind_still_protects_its_package(
         holder.wait(timeout=30)
     time.sleep(DCACHE_S + 1)
     assert digest in collector.json("registry", "gc", "--grace", "0")["deleted"]
+
+
+def test_verify_through_sshfs_moves_a_blob_only_when_the_server_holds_bad_bytes(
+    share: NetworkShare, tmp_path: Path
+) -> None:
+    """On the real mount: a first read cut short (a stale client view) moves nothing; bytes
+    damaged on the server are quarantined after the confirming reads, and --restore brings a
+    repaired copy back."""
+    from test_netfs_verify import StaleReads
+
+    from flare.store import BlobStore
+    from flare.store.blobs import blob_key
+
+    folder = share.mounts[0] / f"store-{tmp_path.name}"
+    store = BlobStore(folder)
+    assert store.backend.network
+    good = store.put_bytes(b"good " * 100_000).digest
+    bad = store.put_bytes(b"bad " * 100_000).digest
+    store.backend = StaleReads(folder, stale=1, network=True)
+    stale = store.verify(confirm_after_s=0.1)
+    assert stale.ok and sorted(stale.reread) == sorted([good, bad]) and stale.quarantined == []
+
+    on_server = share.export / folder.name / blob_key(bad, store.encoding)
+    original = on_server.read_bytes()
+    on_server.chmod(0o644)
+    on_server.write_bytes(b"x" + original[1:])
+    time.sleep(DCACHE_S + 1)
+    store.backend = StaleReads(folder, stale=0, network=True)
+    damaged = store.verify(confirm_after_s=0.1)
+    assert damaged.corrupt == [bad] and len(damaged.quarantined) == 1
+    (share.export / folder.name / damaged.quarantined[0]).write_bytes(original)
+    restored = store.verify(restore=True, confirm_after_s=0.1)
+    assert restored.restored == damaged.quarantined and restored.ok and store.has(bad)
