@@ -99,6 +99,13 @@ StoreOption = Annotated[
     str | None,
     typer.Option("--store", help="Store location (path or URL). Default: the registry's."),
 ]
+VerifyDryRunOption = Annotated[
+    bool, typer.Option("--dry-run", help="Report corrupt blobs; move nothing, sweep nothing.")
+]
+RestoreOption = Annotated[
+    bool,
+    typer.Option("--restore", help="First put back quarantined blobs that now hash right."),
+]
 
 
 @app.callback()
@@ -155,15 +162,19 @@ def open_registry(
     where = location or config.registry
     configured = config.database and where == config.registry
     database = config.database if configured else default_database(where, config.home)
+    options = (config.store_encoding, config.zstd_level)
     try:
-        return Registry(where, database, config.store_encoding, config.zstd_level, create)
+        opened = Registry(where, database, *options, create, config.cache_window)
     except UnusableIndexError as exc:
         if not (set_aside_corrupt and exc.corrupt and database.startswith("sqlite:///")):
             raise
-    broken = Path(database.removeprefix("sqlite:///"))
-    broken.rename(broken.with_name(f"{broken.name}.corrupt"))
-    err.print(f"moved the unreadable index DB to {broken}.corrupt", markup=False)
-    return Registry(where, database, config.store_encoding, config.zstd_level)
+        broken = Path(database.removeprefix("sqlite:///"))
+        broken.rename(broken.with_name(f"{broken.name}.corrupt"))
+        err.print(f"moved the unreadable index DB to {broken}.corrupt", markup=False)
+        opened = Registry(where, database, *options, cache_window=config.cache_window)
+    for note in opened.notes:
+        err.print(note, markup=False)
+    return opened
 
 
 def open_store(location: str | None, existing: bool = False) -> BlobStore:
@@ -697,7 +708,7 @@ def verify_command(
         signature = {"refused": str(verdict)} if refused else asdict(verdict)
         print_json({"name": name, "digest": str(digest), "signature": signature, "ok": report.ok})
     else:
-        _print_verify(report)
+        _print_verify(report, "flare registry verify --restore")
         if not isinstance(verdict, UntrustedError):
             out.print(f"signed by {verdict.publisher} ({verdict.signer})", markup=False)
     _exit_for(report)
@@ -1119,6 +1130,8 @@ def store_verify(
         list[str] | None, typer.Argument(help="Digests to check (default: every blob).")
     ] = None,
     workers: Annotated[int | None, typer.Option(help="Blobs hashed at once.")] = None,
+    dry_run: VerifyDryRunOption = False,
+    restore: RestoreOption = False,
     store: StoreOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -1128,16 +1141,16 @@ def store_verify(
     infos = [blobs.locate(d) for d in wanted] if wanted else list(blobs.iter_blobs())
     total = sum(i.stored_size for i in infos if i)
     with progress_bar("verify", total) as advance:
-        report = blobs.verify(wanted, workers=workers, progress=advance)
-    _report_verify(report, as_json)
+        report = blobs.verify(wanted, workers, advance, dry_run=dry_run, restore=restore)
+    _report_verify(report, as_json, "flare store verify --restore")
 
 
-def _report_verify(report: VerifyReport, as_json: bool) -> None:
+def _report_verify(report: VerifyReport, as_json: bool, restore_command: str) -> None:
     """Print a verify report; exit 6 if anything is corrupt, else 3 if anything is missing."""
     if as_json:
         print_json({**_report_fields(report), "ok": report.ok})
     else:
-        _print_verify(report)
+        _print_verify(report, restore_command)
     _exit_for(report)
 
 
@@ -1146,6 +1159,7 @@ def _report_fields(report: VerifyReport) -> dict[str, Any]:
         **asdict(report),
         "corrupt": [str(d) for d in report.corrupt],
         "missing": [str(d) for d in report.missing],
+        "reread": [str(d) for d in report.reread],
     }
 
 
@@ -1162,10 +1176,17 @@ def _verify_target(blobs: BlobStore, text: str) -> Digest:
     return Digest.parse(text) if len(text.removeprefix("blake3:")) == 64 else blobs.resolve(text)
 
 
-def _print_verify(report: Any) -> None:
+def _print_verify(report: VerifyReport, restore_command: str) -> None:
+    for key in report.restored:
+        out.print(f"restored: {key} (it hashes right again)")
     out.print(f"checked {report.checked} blobs ({decimal(report.checked_bytes)})")
-    for digest, moved in zip(report.corrupt, report.quarantined, strict=True):
-        out.print(f"corrupt: {digest} (moved to {moved})")
+    for digest in report.reread:
+        out.print(f"intact on a second read (the first read was stale): {digest}")
+    moved = report.quarantined or ["--dry-run: left in place"] * len(report.corrupt)
+    for digest, where in zip(report.corrupt, moved, strict=True):
+        out.print(f"corrupt: {digest} ({where if report.dry_run else f'moved to {where}'})")
+    if report.quarantined:
+        out.print(f"quarantined blobs that hash right later are put back by `{restore_command}`")
     for digest in report.missing:
         out.print(f"missing: {digest}")
     for key in report.stray:
@@ -1350,6 +1371,8 @@ def registry_verify(
         bool,
         typer.Option("--signatures", help="Also check each package's signature against trust."),
     ] = False,
+    dry_run: VerifyDryRunOption = False,
+    restore: RestoreOption = False,
     registry: RegistryOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -1361,12 +1384,12 @@ def registry_verify(
     if not as_json:
         for refusal in refused:
             out.print(f"untrusted: {refusal}", markup=False)
-    report = target.verify(ref, workers)
+    report = target.verify(ref, workers, dry_run=dry_run, restore=restore)
     if as_json:
         ok = report.ok and not refused
         print_json({**_report_fields(report), "untrusted": refused, "ok": ok})
     else:
-        _print_verify(report)
+        _print_verify(report, "flare registry verify --restore")
     _exit_for(report)
     if refused:
         raise typer.Exit(UntrustedError.exit_code)

@@ -58,6 +58,10 @@ def _optional_path(text: str | Path) -> Path | None:
     return Path(text).expanduser().absolute() if str(text) else None
 
 
+def _optional_duration(text: str) -> float | None:
+    return parse_duration(text) if str(text).strip() else None
+
+
 def _level(text: str | int) -> int:
     return check_zstd_level(int(text))
 
@@ -122,7 +126,14 @@ SETTINGS: tuple[Setting, ...] = (
         "FLARE_DATABASE",
         str,
         lambda _h, _e: "",
-        "index DB URL; empty: SQLite beside the registry's blobs",
+        "index DB URL; empty: SQLite beside the registry's blobs, or this host's own",
+    ),
+    Setting(
+        "registry.cache_window",
+        "FLARE_CACHE_WINDOW",
+        _optional_duration,
+        lambda _h, _e: "",
+        "how stale a network filesystem's listings may be; empty: by its type",
     ),
     Setting(
         "memory.reserve",
@@ -196,6 +207,10 @@ class Config:
     @property
     def database(self) -> str:
         return self["registry.database"]
+
+    @property
+    def cache_window(self) -> float | None:
+        return self["registry.cache_window"]
 
     @property
     def store_encoding(self) -> Encoding:

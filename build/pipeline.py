@@ -33,7 +33,7 @@ from flare.build.rendezvous import Rendezvous
 from flare.build.sources import Source, resolve_source
 from flare.build.statcache import StatCache, digest_files
 from flare.model_sizes import check_sizes
-from flare.registry.leases import Lease, add_to_lease, hold_lease
+from flare.registry.leases import Lease, add_to_lease, hold_lease, outlast_caches
 from flare.registry.registry import Registry
 from flare.store.digest import Digest
 from flare.store.errors import IntegrityError, InvalidInputError
@@ -162,6 +162,7 @@ class Build:
             if self.leader is not None:  # resolve's time starts once every rank has joined
                 started = time.perf_counter()
             result = self._run(started, recipe, config)
+            outlast_caches(self.registry.cache_window_s)
             self._check_published(result.manifest)
             if self.leader is not None:
                 self.leader.finish(str(result.digest))
@@ -189,8 +190,9 @@ class Build:
             rendezvous.close()
 
     def _check_published(self, manifest: Manifest) -> None:
-        """Every blob the package names is stored (a gc racing a resumed build is caught)."""
-        missing = [d for d in manifest.blobs() if not self.store.has(d)]
+        """Every blob the package names is stored (a gc racing a resumed build is caught),
+        asked of the server, not of a network client's cache."""
+        missing = [d for d in manifest.blobs() if not self.store.confirm(d)]
         if missing:
             raise IntegrityError(
                 f"blob {missing[0]} of the new package is gone from {self.store.location}",

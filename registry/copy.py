@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flare.registry import refs
-from flare.registry.leases import hold_lease
+from flare.registry.leases import hold_lease, outlast_caches
 from flare.registry.registry import Registry
 from flare.registry.signatures import write_signature
 from flare.store.blobs import PutResult
@@ -52,6 +52,7 @@ def copy_package(
             for pinned in refs.pins_of(source.store, name):
                 if pinned == digest:
                     dest.pin(f"{name}@{digest.hex}")
+        outlast_caches(dest.cache_window_s)
     return report
 
 

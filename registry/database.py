@@ -28,12 +28,12 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError
 
 from flare.registry.models import metadata
+from flare.store.backends.filesystems import on_network_filesystem
 from flare.store.errors import FlareError
 
 T = TypeVar("T")
 BUSY_TIMEOUT_MS = 30_000
 WRITE_RETRIES = 8
-NETWORK_FILESYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "fuse.sshfs", "ceph"}
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 MIGRATION_LOCK_KEY = 0x666C617265  # "flare": the PostgreSQL advisory lock for migrations
 SCHEMA_HEAD = "0002"
@@ -54,22 +54,6 @@ class UnusableIndexError(FlareError):
 def _retryable(exc: DatabaseError) -> bool:
     """Another writer holds the lock, or inserted the same row first (the retry will merge)."""
     return isinstance(exc, IntegrityError) or "locked" in str(exc)
-
-
-def filesystem_type(path: Path) -> str:
-    """The type of the filesystem holding path, from /proc/self/mountinfo ('' if unknown)."""
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    target, best, kind = str(path.resolve()), "", ""
-    for line in lines:
-        fields = line.split()
-        mount, fstype = fields[4], fields[fields.index("-") + 1]
-        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(best):
-            best, kind = mount, fstype
-    return kind
 
 
 def _set_journal_mode(cursor, mode: str) -> None:  # type: ignore[no-untyped-def]
@@ -135,7 +119,7 @@ class IndexDB:
 
     def _configure_sqlite(self) -> None:
         assert self.sqlite_path is not None
-        network = filesystem_type(self.sqlite_path.parent) in NETWORK_FILESYSTEMS
+        network = on_network_filesystem(self.sqlite_path.parent)
         journal = "DELETE" if network else "WAL"  # WAL needs shared memory a NAS cannot give
 
         @event.listens_for(self.engine, "connect")

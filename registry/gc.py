@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from flare.registry import marks, refs, signatures
+from flare.registry import journal, marks, refs, signatures
 from flare.registry.leases import drop_expired_leases, live_leases
 from flare.registry.marks import Marked
 from flare.registry.registry import Registry
@@ -68,10 +68,11 @@ def roots(registry: Registry) -> Roots:
     for name in refs.names(store):
         packages.update(refs.tags_of(store, name).values())
         packages.update(refs.pins_of(store, name))
-    leases = live_leases(store)
+    margin = registry.gc_margin_s  # clocks apart, caches late: see Registry.gc_margin_s
+    leases = live_leases(store, slack_s=margin)
     packages.update(Digest.parse(d) for lease in leases for d in lease.packages)
     blobs = {Digest.parse(d).hex for lease in leases for d in lease.blobs}
-    starts = [lease.since for lease in leases if lease.since is not None]
+    starts = [lease.since - margin for lease in leases if lease.since is not None]
     return Roots(packages, blobs, min(starts) if starts else None)
 
 
@@ -85,7 +86,7 @@ def mark(registry: Registry, packages: set[Digest], keep: bool) -> list[bytes]:
 
 def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcReport:
     """Mark from the roots, then sweep unreachable blobs older than the grace period."""
-    started = time.time()
+    started = time.time() - registry.gc_margin_s  # grace counts from here
     report = GcReport(dry_run=dry_run)
     found = roots(registry)
     marked = Marked(mark(registry, found.packages, keep=not dry_run), found.blobs)
@@ -119,6 +120,7 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
         report.marks = marks.drop_orphans(registry.store)
         report.temp_files = registry.store.sweep_temps()
         drop_expired_leases(registry.store)
+        journal.drop_old(registry.store)
     return report
 
 

@@ -53,9 +53,10 @@ def _write(store: BlobStore, lease: Lease) -> None:
     store.backend.write_atomic(_key(lease.id), json.dumps(asdict(lease)).encode())
 
 
-def live_leases(store: BlobStore) -> list[Lease]:
-    """Every unexpired lease in the store (unreadable files count as none)."""
-    now, found = time.time(), []
+def live_leases(store: BlobStore, slack_s: float = 0.0) -> list[Lease]:
+    """Every unexpired lease in the store (unreadable files count as none); with `slack_s`,
+    also those expired less than that long ago (a holder whose clock is behind)."""
+    now, found = time.time() - slack_s, []
     for name in store.backend.list_dir(LEASES_DIR):
         data = store.backend.read(f"{LEASES_DIR}/{name}")
         try:
@@ -117,3 +118,12 @@ def add_to_lease(store: BlobStore, lease: Lease, blob: Digest) -> None:
     if str(blob) not in lease.blobs:
         lease.blobs.append(str(blob))
         _write(store, lease)
+
+
+def outlast_caches(window_s: float) -> None:
+    """Keep holding the lease (its heartbeat goes on) until every host's view of the store
+    shows what the holder just published: a tag written now is in every gc's roots a cache
+    window from now, and until then only this lease keeps the package's blobs (0 on a local
+    disk: no wait)."""
+    if window_s > 0:
+        time.sleep(window_s)

@@ -13,20 +13,23 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, Select, Table, delete, func, insert, select, update
 
-from flare.registry import marks, refs, signatures
+from flare.registry import journal, localindex, marks, refs, signatures
 from flare.registry.database import IndexDB
 from flare.registry.models import package_blobs, packages, publications, tags
 from flare.sign.errors import UntrustedError
+from flare.store.backends.filesystems import cache_window_s, filesystem_type, on_network_filesystem
 from flare.store.blobs import BlobStore, VerifyReport
 from flare.store.digest import Digest
 from flare.store.encoding import Encoding
 from flare.store.errors import FlareError, InvalidInputError, NotFoundError
-from flare.store.hashing import hash_bytes
 
 if TYPE_CHECKING:
     from flare.store.package import Manifest
 
 INDEX_FILE = "index.db"
+CLOCK_SKEW_S = 120.0
+"""How far apart the clocks of a shared registry's hosts (and its server) may be: lease
+expiries and starts, and modification times, are compared across them."""
 
 
 class PinnedError(FlareError):
@@ -53,10 +56,12 @@ class Listing:
 
 
 def default_database(location: str, home: Path) -> str:
-    """SQLite beside the blobs for a folder registry; under FLARE_HOME for a URL registry."""
-    if "://" not in location:
+    """SQLite beside the blobs for a folder on a local disk; for a folder on a network
+    filesystem or a URL, this host's own SQLite index under FLARE_HOME, brought up to date from
+    the store on every open (registry/localindex.py): SQLite cannot be shared between hosts."""
+    if "://" not in location and not on_network_filesystem(Path(location)):
         return f"sqlite:///{Path(location) / INDEX_FILE}"
-    return f"sqlite:///{home / 'indexes' / hash_bytes(location.encode()).hex[:16]}.db"
+    return localindex.host_index_url(location, home)
 
 
 class Registry:
@@ -69,6 +74,7 @@ class Registry:
         encoding: Encoding = Encoding.PLAIN,
         zstd_level: int = 3,
         create: bool = True,
+        cache_window: float | None = None,
     ) -> None:
         self.store = BlobStore(location, encoding, zstd_level)
         if not create and not self.store.backend.list_dir(""):
@@ -77,7 +83,30 @@ class Registry:
                 "check --registry or paths.registry; `flare build` creates one",
             )
         self.db = IndexDB(database)
+        localindex.check_index_place(self)
         self.db.migrate()
+        self.cache_window_s = self._cache_window(cache_window)
+        """How stale this host's view of the store's listings may be (0 on a local disk)."""
+        self.notes: list[str] = []
+        """Things the user should hear once, said while opening (the CLI prints them)."""
+        if self.db.sqlite_path is not None and self.store.backend.network:
+            self.notes = localindex.sync(self, self.cache_window_s)
+
+    def _cache_window(self, configured: float | None) -> float:
+        """The configured window (registry.cache_window), else the filesystem type's."""
+        if not self.store.backend.network:
+            return 0.0
+        if configured is not None:
+            return configured
+        root = self.store.backend.local_path("")
+        return 0.0 if root is None else cache_window_s(filesystem_type(root))
+
+    @property
+    def gc_margin_s(self) -> float:
+        """How much longer than its grace period (or than a build lease's age) gc leaves a blob
+        on a shared registry: another host's touch or lease may show a cache window late, and
+        times come from clocks CLOCK_SKEW_S apart. 0 on a local disk, where neither applies."""
+        return self.cache_window_s + CLOCK_SKEW_S if self.store.backend.network else 0.0
 
     @property
     def location(self) -> str:
@@ -93,6 +122,7 @@ class Registry:
         record = refs.record_package(self.store, name, digest, self.publisher(digest))
         if tag is not None:
             refs.tag_package(self.store, name, tag, digest)
+        journal.record_change(self.store, name, digest)
         index_size = self.store.require(digest).stored_size
         if self.store.backend.stat(marks.marks_key(digest)) is None:
             marks.write_marks(self.store, digest, {digest.hex, *(d.hex for d in manifest.blobs())})
@@ -155,6 +185,7 @@ class Registry:
         names = self.db.write(lambda c: _set_publisher(c, digest, publisher))
         for name in names:  # the index knows the names: no scan of every name's refs
             refs.record_package(self.store, name, digest, publisher)
+            journal.record_change(self.store, name, digest)
         return signed.claim.publisher
 
     def signatures(self, digest: Digest) -> list[bytes]:
@@ -179,6 +210,7 @@ class Registry:
         """Pin (or unpin) a package under its name: gc never removes a pinned package."""
         name, digest = self._named(ref)
         (refs.pin if pinned else refs.unpin)(self.store, name, digest)
+        journal.record_change(self.store, name, digest)
         row = {"name": name, "digest": str(digest), "pinned": pinned}
         row |= self._publication_fields(name, digest)
         self.db.write(lambda c: _put(c, publications, row))
@@ -203,6 +235,7 @@ class Registry:
     def forget(self, name: str, digest: Digest) -> list[str]:
         """Drop NAME's record of a package and its tags, in the store and the index."""
         dropped_tags = refs.forget_package(self.store, name, digest)
+        journal.record_change(self.store, name, digest)
         self.db.write(lambda c: self._forget(c, name, digest))
         return dropped_tags
 
@@ -255,14 +288,24 @@ class Registry:
         """Bytes the packages take: in all, shared by several, held by one only."""
         return self.db.read(_usage)
 
-    def verify(self, ref: str | None = None, workers: int | None = None) -> VerifyReport:
-        """Re-hash the index and blobs of one package (or every package) in parallel."""
+    def verify(
+        self,
+        ref: str | None = None,
+        workers: int | None = None,
+        dry_run: bool = False,
+        restore: bool = False,
+    ) -> VerifyReport:
+        """Re-hash the index and blobs of one package (or every package) in parallel; with
+        `restore`, put back quarantined blobs that hash right first (BlobStore.verify)."""
+        restored = self.store.restore() if restore and not dry_run else []
         wanted: set[Digest] = set()
         for digest in self.packages(ref):
             wanted.add(digest)
             if self.store.has(digest):
                 wanted.update(refs.read_manifest(self.store, digest).blobs())
-        return self.store.verify(sorted(wanted), workers=workers)
+        report = self.store.verify(sorted(wanted), workers=workers, dry_run=dry_run)
+        report.restored = restored
+        return report
 
     def packages(self, ref: str | None = None) -> list[Digest]:
         """The package REF names, or every package recorded under a name."""

@@ -51,6 +51,12 @@ from flare.store.splice import Piece, PiecesReader, pieces_size, splice_hashing
 BLOB_DIR = "blobs/blake3"
 _BLOB_FILE = re.compile(rf"([0-9a-f]{{{HEX_LENGTH}}})({re.escape(Encoding.ZSTD.suffix)})?")
 QUARANTINE_DIR = "quarantine"
+_QUARANTINED = re.compile(
+    rf"([0-9a-f]{{{HEX_LENGTH}}})({re.escape(Encoding.ZSTD.suffix)})?\.[0-9]+"
+)
+CONFIRM_AFTER_S = 5.0
+"""On a network filesystem, a blob that read wrong twice is read once more this much later
+before verify calls it corrupt: long enough for a client's stale read to pass."""
 COPY_CHUNK = 16 << 20
 LARGE_BLOB = 64 << 20
 """Blobs this large are hashed one at a time, each on all threads (as b3sum does)."""
@@ -84,8 +90,15 @@ class VerifyReport:
     corrupt: list[Digest] = field(default_factory=list)
     missing: list[Digest] = field(default_factory=list)
     quarantined: list[str] = field(default_factory=list)
+    """Where each corrupt blob went (empty with dry_run: nothing moves)."""
+    reread: list[Digest] = field(default_factory=list)
+    """Blobs whose first read hashed wrong but whose bytes as stored hash right (a stale or
+    torn read through a client's cache): intact, left in place, reported."""
+    restored: list[str] = field(default_factory=list)
+    """Quarantined files that hash right now, put back under their blob names."""
     stray: list[str] = field(default_factory=list)
     """Files under blobs/ whose names are not blob names (left in place, reported)."""
+    dry_run: bool = False
 
     @property
     def ok(self) -> bool:
@@ -314,9 +327,11 @@ class BlobStore:
 
     def put_pieces(self, pieces: Sequence[Piece], progress: Progress | None = None) -> PutResult:
         """Store the concatenation of pieces (bytes, runs of open files): copied file to file
-        by the kernel where this store is a local folder in the plain encoding, else
-        streamed."""
-        if self.encoding is not Encoding.PLAIN or self.backend.local_path(TMP_DIR) is None:
+        by the kernel where this store is a folder on a local disk in the plain encoding, else
+        streamed: on a network filesystem the kernel copy would be hashed by reading the new
+        file back from the server, twice the traffic of hashing the bytes as they are sent."""
+        kernel_copy = self.backend.local_path(TMP_DIR) is not None and not self.backend.network
+        if self.encoding is not Encoding.PLAIN or not kernel_copy:
             reader = PiecesReader(pieces)
             return self.put_stream(reader, reader.size, progress=progress)  # type: ignore[arg-type]
         self._prepare_writes()
@@ -483,12 +498,17 @@ class BlobStore:
         """Mark a stored blob as just used, so gc's grace period protects it; False if absent.
 
         Writers touch a blob they find already stored: it may have been garbage a moment ago,
-        and a collector deletes only blobs untouched for its whole grace period."""
-        info = self.locate(digest)
-        if info is None:
-            return False
-        self.backend.touch(blob_key(digest, info.encoding))
-        return True
+        and a collector deletes only blobs untouched for its whole grace period. The blob is
+        opened to be touched, so the answer comes from the server on a network filesystem,
+        not from a client's cache that may still list a blob another host collected."""
+        encodings = (self.encoding, *(e for e in Encoding if e is not self.encoding))
+        return any(self.backend.touch(blob_key(digest, e)) for e in encodings)
+
+    def confirm(self, digest: Digest) -> bool:
+        """Whether the blob is stored, asked of the server where there is one (a fresh open),
+        for decisions a stale cache must not make: that a new package is complete."""
+        encodings = (self.encoding, *(e for e in Encoding if e is not self.encoding))
+        return any(self.backend.exists(blob_key(digest, e)) for e in encodings)
 
     # -- reading --------------------------------------------------------------------------
 
@@ -503,10 +523,16 @@ class BlobStore:
     def open(self, digest: Digest, expected_size: int | None = None) -> BinaryIO:
         """A reader of the blob's plain bytes (not verified: see read_bytes and get)."""
         info = self.require(digest)
-        key = blob_key(digest, info.encoding)
-        raw = self.backend.open_read(key)
+        raw = self.backend.open_read(blob_key(digest, info.encoding))
+        return self._plain_reader(info, raw, expected_size)
+
+    def _plain_reader(
+        self, info: BlobInfo, raw: BinaryIO, expected_size: int | None = None
+    ) -> BinaryIO:
+        """The plain bytes of a stored blob's file, open as `raw` (closed with the reader)."""
         if info.encoding is Encoding.PLAIN:
             return raw
+        key = blob_key(info.digest, info.encoding)
         try:
             reader = BoundedZstdReader(raw, f"{self.location}/{key}", expected_size)
         except BaseException:
@@ -555,10 +581,22 @@ class BlobStore:
         digests: Iterable[Digest] | None = None,
         workers: int | None = None,
         progress: Progress | None = None,
+        dry_run: bool = False,
+        restore: bool = False,
+        confirm_after_s: float = CONFIRM_AFTER_S,
     ) -> VerifyReport:
-        """Re-hash blobs in parallel; move corrupt ones to quarantine/, never delete them."""
-        self.sweep_temps()
-        report = VerifyReport()
+        """Re-hash blobs in parallel; move the corrupt ones to quarantine/, never delete them.
+
+        A blob counts as corrupt only when its bytes as stored hash wrong: a bad first read is
+        read again past this host's caches, and on a network filesystem once more
+        `confirm_after_s` later; a read that hashes right proves the bytes (verify moving a
+        good blob breaks every package that needs it). With `restore`, quarantined files that
+        hash right are put back first. With `dry_run`, nothing moves, not even stale temps."""
+        report = VerifyReport(dry_run=dry_run)
+        if not dry_run:
+            self.sweep_temps()
+            if restore:
+                report.restored = self.restore()
         if digests is None:
             infos = list(self.iter_blobs(report.stray))
         else:
@@ -569,31 +607,86 @@ class BlobStore:
         small = [i for i in infos if i.stored_size < LARGE_BLOB]
         intact = [self._is_intact(info, progress) for info in large]  # each on every thread
         intact += parallel_map(lambda info: self._is_intact(info, progress), small, workers)
-        for info, ok in zip(large + small, intact, strict=True):
-            report.checked += 1
-            report.checked_bytes += info.stored_size
-            if not ok:
-                report.corrupt.append(info.digest)
+        failed = [info for info, ok in zip(large + small, intact, strict=True) if not ok]
+        report.checked = len(infos)
+        report.checked_bytes = sum(info.stored_size for info in infos)
+        corrupt = self._confirm_corrupt(failed, workers, confirm_after_s)
+        report.reread = [info.digest for info in failed if info not in corrupt]
+        for info in corrupt:
+            report.corrupt.append(info.digest)
+            if not dry_run:
                 report.quarantined.append(self._quarantine(info))
         return report
 
-    def _is_intact(self, info: BlobInfo, progress: Progress | None) -> bool:
+    def _confirm_corrupt(
+        self, suspects: list[BlobInfo], workers: int | None, confirm_after_s: float
+    ) -> list[BlobInfo]:
+        """The suspects whose bytes as stored hash wrong: read past the caches, and on a
+        network filesystem again after a pause (a client may serve a stale read for a while)."""
+        rounds = 2 if self.backend.network else 1
+        for round_ in range(rounds):
+            if not suspects:
+                break
+            if round_:
+                time.sleep(confirm_after_s)
+            again = parallel_map(lambda info: self._is_intact(info, None, True), suspects, workers)
+            suspects = [info for info, ok in zip(suspects, again, strict=True) if not ok]
+        return suspects
+
+    def _is_intact(self, info: BlobInfo, progress: Progress | None, uncached: bool = False) -> bool:
+        """Whether the blob hashes to its digest: a local plain blob through a memory map on
+        several threads, anything else (or with `uncached`, past the client's caches; or on a
+        network filesystem, whose clients may not keep a map coherent) by reading it."""
         key = blob_key(info.digest, info.encoding)
         local = self.backend.local_path(key)
         try:
-            if local is not None and info.encoding is Encoding.PLAIN:
+            mapped = not (uncached or self.backend.network) and info.encoding is Encoding.PLAIN
+            if local is not None and mapped:
                 return hash_file(local, progress=progress)[0] == info.digest
-            with self.open(info.digest) as reader:
+            raw = self.backend.open_uncached(key) if uncached else self.backend.open_read(key)
+            with self._plain_reader(info, raw) as reader:
                 hex_digest, _ = copy_hashing(reader, _NullSink(), progress)  # type: ignore[arg-type]
             return hex_digest == info.digest.hex
         except IntegrityError:
             return False
+        except NotFoundError:
+            return True  # moved or collected meanwhile: nothing here to call corrupt
 
     def _quarantine(self, info: BlobInfo) -> str:
         key = blob_key(info.digest, info.encoding)
         dest = f"{QUARANTINE_DIR}/{info.digest.hex}{info.encoding.suffix}.{time.time_ns()}"
         self.backend.move(key, dest)
         return dest
+
+    def restore(self) -> list[str]:
+        """Put back quarantined files whose bytes, read past the caches, hash to their name:
+        a blob quarantined after a stale read (or repaired by hand) serves again. A good copy
+        of a blob stored again since is removed (the store has those very bytes); a bad one
+        stays. Returns the quarantine keys put back."""
+        restored = []
+        for stored in list(self.backend.iter_files(QUARANTINE_DIR)):
+            name = stored.key.rsplit("/", 1)[-1]
+            match = _QUARANTINED.fullmatch(name)
+            if match is None:
+                continue  # not a file verify put there
+            encoding = Encoding.ZSTD if match[2] else Encoding.PLAIN
+            info = BlobInfo(Digest.from_checked_hex(match[1]), encoding, stored.size)
+            if not self._hashes_right(stored.key, info):
+                continue
+            if self.backend.move_no_clobber(stored.key, blob_key(info.digest, encoding)):
+                restored.append(stored.key)
+            else:
+                self.backend.remove(stored.key)
+        return restored
+
+    def _hashes_right(self, key: str, info: BlobInfo) -> bool:
+        """Whether the file at key holds the blob's bytes, read past this host's caches."""
+        try:
+            with self._plain_reader(info, self.backend.open_uncached(key)) as reader:
+                hex_digest, _ = copy_hashing(reader, _NullSink(), None)  # type: ignore[arg-type]
+        except (IntegrityError, NotFoundError):
+            return False
+        return hex_digest == info.digest.hex
 
     def sweep_temps(self, stale_after_s: float | None = None) -> list[str]:
         """Remove temp files that dead writers left behind (never a live writer's)."""

@@ -101,6 +101,10 @@ def hash_file_state(
             after = FileState.of(os.fstat(handle.fileno()))
     except OSError as exc:
         raise from_os_error(exc, "read", path) from exc
+    except ValueError as exc:  # mmap: the size this host saw has moved (a network client's)
+        raise IntegrityError(
+            f"{path} changed while it was read ({exc})", "retry once it is no longer written"
+        ) from exc
     check_unchanged(path, before, after)
     return Digest(hex_digest), before
 

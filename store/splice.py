@@ -124,7 +124,7 @@ def _map(dest: int, size: int, stack: ExitStack) -> memoryview | None:
     direct I/O, CIFS without a cache): the spans are then read back to be hashed."""
     try:
         mapped = stack.enter_context(mmap.mmap(dest, size, prot=mmap.PROT_READ))
-    except OSError:
+    except (OSError, ValueError):  # ValueError: the size mmap saw is not yet the truncated one
         return None
     return stack.enter_context(memoryview(mapped))
 

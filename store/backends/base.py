@@ -35,6 +35,9 @@ class Backend(Protocol):
     stale_after_s: float
     sweep_processes: int
     """How many processes gc's sweep lists this store's folders with (store/sweep.py)."""
+    network: bool
+    """Other hosts share these files through clients that may cache stale listings, sizes
+    and bytes: verify confirms a bad read after a pause, and nothing is memory-mapped."""
 
     def ensure(self) -> None:
         """Create the root and its working folders if they are missing."""
@@ -47,6 +50,9 @@ class Backend(Protocol):
 
     def open_read(self, key: str) -> BinaryIO:
         """Open the file at key for reading."""
+
+    def open_uncached(self, key: str) -> BinaryIO:
+        """Open the file at key to read its bytes as stored, past this host's caches."""
 
     def create_temp(self) -> TempFile:
         """A new, uniquely named temporary file inside the store, open for writing."""
@@ -76,6 +82,9 @@ class Backend(Protocol):
     def move(self, key: str, new_key: str) -> None:
         """Move a file to another key (used to quarantine corrupt blobs)."""
 
+    def move_no_clobber(self, key: str, new_key: str) -> bool:
+        """Move a file to another key only if nothing is there; False (file left) if taken."""
+
     def remove(self, key: str) -> None:
         """Delete the file at key; a missing file is not an error."""
 
@@ -102,8 +111,12 @@ class Backend(Protocol):
     def stat(self, key: str) -> tuple[int, float] | None:
         """The file's size and modification time, or None when there is none."""
 
-    def touch(self, key: str) -> None:
-        """Set the file's modification time to now (marks a blob as in use for gc's grace)."""
+    def touch(self, key: str) -> bool:
+        """Set the file's modification time to now (marks a blob as in use for gc's grace);
+        False if there is no file (asked of the server, not of a client's cache)."""
+
+    def exists(self, key: str) -> bool:
+        """Whether a file is at key, asked of the server, not of a client's cache."""
 
     def free_bytes(self) -> int | None:
         """Free space under the root, where the backend can tell."""

@@ -13,11 +13,13 @@ import secrets
 import socket
 import time
 from collections.abc import Iterator
+from functools import cached_property
 from pathlib import Path
 from stat import S_ISREG
 from typing import BinaryIO
 
 from flare.store.backends.base import TMP_DIR, StoredFile, TempFile
+from flare.store.backends.filesystems import on_network_filesystem
 from flare.store.backends.linking import hardlink, reflink
 from flare.store.errors import FlareError, from_os_error
 from flare.store.hashing import default_workers
@@ -28,8 +30,14 @@ ALIGN = 4096
 """O_DIRECT needs buffers, offsets and lengths aligned to the device's blocks."""
 STAGE = 16 << 20
 _SYNC_FILE_RANGE_WRITE = 2
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
 _libc = ctypes.CDLL(None, use_errno=True)
 _sync_file_range = getattr(_libc, "sync_file_range", None)
+_renameat2 = getattr(_libc, "renameat2", None)
+_NOT_SUPPORTED = {errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS, errno.EINVAL}
+"""What link(2) or renameat2(2) answer where a filesystem lacks them (sshfs: no
+RENAME_NOREPLACE; some SMB servers: no hard links)."""
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
@@ -155,6 +163,94 @@ class BlobFile(io.RawIOBase):
         super().close()
 
 
+class DirectReader(io.RawIOBase):
+    """Reads a file past the client's page cache: O_DIRECT reads of aligned chunks into an
+    aligned buffer, so every byte comes from the disk or, on a network filesystem, from the
+    server. verify re-reads a blob this way before it calls the blob corrupt."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd = fd
+        self._buffer = mmap.mmap(-1, STAGE)  # page-aligned, as O_DIRECT needs
+        self._offset = 0
+        """Bytes of the file read into the buffer so far (a multiple of ALIGN until EOF)."""
+        self._start = 0
+        self._end = 0
+        """The buffer's bytes not yet returned: [_start, _end)."""
+        self._eof = False
+        """Set by a read that ended short of ALIGN: the file ends there."""
+
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def readinto(self, target: bytearray | memoryview) -> int:  # type: ignore[override]
+        if self._start == self._end and not self._eof:
+            self._fill()
+        take = min(len(target), self._end - self._start)
+        with memoryview(target).cast("B") as view:
+            view[:take] = self._buffer[self._start : self._start + take]
+        self._start += take
+        return take
+
+    def _fill(self) -> None:
+        """Read the next aligned chunk into the buffer."""
+        self._start, self._end = 0, os.preadv(self._fd, [self._buffer], self._offset)
+        self._offset += self._end
+        self._eof = self._end % ALIGN != 0 or self._end == 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._offset - (self._end - self._start)
+
+    def seek(self, position: int, whence: int = os.SEEK_SET) -> int:
+        """Go to a position: read from the aligned offset below it, skip the rest."""
+        if whence == os.SEEK_CUR:
+            position += self.tell()
+        elif whence == os.SEEK_END:
+            position += os.fstat(self._fd).st_size
+        self._offset = position - position % ALIGN
+        self._start = self._end = 0
+        self._eof = False
+        if position > self._offset:
+            self._fill()
+            self._start = min(position % ALIGN, self._end)
+        return position
+
+    def close(self) -> None:
+        if not self.closed:
+            self._buffer.close()
+            os.close(self._fd)
+        super().close()
+
+
+def open_uncached(path: Path) -> BinaryIO:
+    """A reader of the file's bytes as stored, not as this host's cache remembers them: a
+    fresh open with O_DIRECT where the filesystem takes it (local disks, NFS, FUSE), else a
+    fresh open after dropping the file's cached pages (posix_fadvise DONTNEED)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # tmpfs and some filesystems refuse O_DIRECT
+            raise
+    else:
+        try:
+            reader = DirectReader(fd)
+            reader.readinto(bytearray(0))  # the first read tells whether O_DIRECT reads work
+            return reader  # type: ignore[return-value]
+        except OSError as exc:
+            reader.close()
+            if exc.errno != errno.EINVAL:
+                raise
+    handle = open(path, "rb", buffering=0)  # noqa: SIM115 (returned to the caller)
+    os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return handle  # type: ignore[return-value]
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or link inside `path` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -198,24 +294,50 @@ def publish_no_clobber(temp: Path, dest: Path) -> bool:
     """Give the temp file its final name only if that name is free; False if it was taken.
 
     A hardlink fails atomically when the name exists, so of two racing writers exactly one
-    publishes and nobody replaces a blob another host may be reading. Where links are not
-    supported, fall back to rename (the content is the same by construction).
+    publishes and nobody replaces a blob another host may be reading. Where the filesystem has
+    no hard links, rename(2) with RENAME_NOREPLACE does the same; where it has neither, the
+    name is checked and then replaced (the content is the same by construction, so a writer
+    that loses that race replaces a blob with identical bytes).
     """
     try:
         os.link(temp, dest)
     except FileExistsError:
         return False
     except OSError as exc:
-        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+        if exc.errno not in _NOT_SUPPORTED:
             raise
-        os.replace(temp, dest)
+        return _rename_no_clobber(temp, dest)
+    return True
+
+
+def _rename_no_clobber(temp: Path, dest: Path) -> bool:
+    """rename(2) that refuses an existing name, else a check and a plain rename."""
+    if _renameat2 is not None:
+        done = _renameat2(_AT_FDCWD, bytes(temp), _AT_FDCWD, bytes(dest), _RENAME_NOREPLACE)
+        if done == 0:
+            return True
+        failed = ctypes.get_errno()
+        if failed == errno.EEXIST:
+            return False
+        if failed not in _NOT_SUPPORTED:
+            raise OSError(failed, os.strerror(failed), str(dest))
+    if dest.exists():
+        return False
+    os.replace(temp, dest)
     return True
 
 
 def temp_name() -> str:
     """A unique temp file name that says which host and process writes it."""
-    host = socket.gethostname().replace(".", "_") or "host"
-    return f"{host}.{os.getpid()}.{secrets.token_hex(8)}.part"
+    return f"{_host()}.{os.getpid()}.{secrets.token_hex(8)}.part"
+
+
+def _host() -> str:
+    return socket.gethostname().replace(".", "_") or "host"
+
+
+FOREIGN_STALE_S = 86400.0
+"""Another host's temp file on a network filesystem is abandoned after this long unchanged."""
 
 
 MAX_SWEEP_PROCESSES = 8
@@ -251,9 +373,20 @@ class LocalBackend:
         except FileNotFoundError:
             return None
 
+    @cached_property
+    def network(self) -> bool:
+        """True when other hosts may share this folder (its client may cache stale data)."""
+        return on_network_filesystem(self.root)
+
     def open_read(self, key: str) -> BinaryIO:
         try:
             return open(self._path(key), "rb")
+        except OSError as exc:
+            raise from_os_error(exc, "read", self._path(key)) from exc
+
+    def open_uncached(self, key: str) -> BinaryIO:
+        try:
+            return open_uncached(self._path(key))
         except OSError as exc:
             raise from_os_error(exc, "read", self._path(key)) from exc
 
@@ -300,7 +433,7 @@ class LocalBackend:
     def commit(self, temp: TempFile, key: str) -> bool:
         assert temp.path is not None
         dest = self._path(key)
-        if dest.exists():
+        if self.exists(key):
             self.discard(temp)
             return False
         try:
@@ -310,6 +443,9 @@ class LocalBackend:
             os.fchmod(fd, 0o444)
             make_dir_durable(dest.parent)
             published = publish_no_clobber(temp.path, dest)
+            if not published and not self.exists(key):  # a client's stale "exists"
+                os.replace(temp.path, dest)  # the same bytes by construction
+                published = True
             fsync_dir(dest.parent)
         except OSError as exc:
             self.discard(temp)
@@ -356,6 +492,21 @@ class LocalBackend:
         except OSError as exc:
             raise from_os_error(exc, "move", self._path(key)) from exc
 
+    def move_no_clobber(self, key: str, new_key: str) -> bool:
+        source, dest = self._path(key), self._path(new_key)
+        try:
+            make_dir_durable(dest.parent)
+            if not publish_no_clobber(source, dest):
+                if self.exists(new_key):
+                    return False
+                os.replace(source, dest)  # the name was taken only in a client's stale cache
+            source.unlink(missing_ok=True)  # the link's source; gone already after a rename
+            fsync_dir(dest.parent)
+            fsync_dir(source.parent)
+        except OSError as exc:
+            raise from_os_error(exc, "move", source) from exc
+        return True
+
     def remove(self, key: str) -> None:
         try:
             self._path(key).unlink(missing_ok=True)
@@ -363,14 +514,20 @@ class LocalBackend:
             raise from_os_error(exc, "remove", self._path(key)) from exc
 
     def sweep_temps(self, stale_after_s: float) -> list[str]:
-        """Remove temp files older than the threshold whose writer no longer holds its lock."""
+        """Remove temp files older than the threshold whose writer no longer holds its lock.
+
+        On a network filesystem a lock is seen on its own host only (sshfs has no remote
+        locks; NFS mounted with local_lock neither): another host's temp file is left until it
+        is FOREIGN_STALE_S old, as on an object store."""
         removed = []
         try:
             entries = list(os.scandir(self.root / TMP_DIR))
         except FileNotFoundError:
             return removed
-        cutoff = time.time() - stale_after_s
+        now, mine = time.time(), f"{_host()}."
         for entry in entries:
+            foreign = self.network and not entry.name.startswith(mine)
+            cutoff = now - (max(stale_after_s, FOREIGN_STALE_S) if foreign else stale_after_s)
             if _is_abandoned(entry, cutoff):
                 Path(entry.path).unlink(missing_ok=True)
                 removed.append(f"{TMP_DIR}/{entry.name}")
@@ -428,10 +585,33 @@ class LocalBackend:
             return None
         return st.st_size, st.st_mtime
 
-    def touch(self, key: str) -> None:
-        """Best effort: another user's blob cannot be touched (leases protect it instead)."""
-        with contextlib.suppress(FileNotFoundError, PermissionError):
-            os.utime(self._path(key))
+    def touch(self, key: str) -> bool:
+        """Through a fresh open (a network client's cached attributes may list a file another
+        host removed); setting the time is best effort: another user's blob cannot be touched
+        (leases protect it instead)."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise from_os_error(exc, "touch", self._path(key)) from exc
+        try:
+            with contextlib.suppress(PermissionError):
+                os.utime(fd)
+        finally:
+            os.close(fd)
+        return True
+
+    def exists(self, key: str) -> bool:
+        """Asked by opening the file: a fresh answer from the server of a network filesystem
+        (sshfs and NFS check on open), where a stat may answer from the client's cache."""
+        try:
+            os.close(os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC))
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise from_os_error(exc, "open", self._path(key)) from exc
+        return True
 
     def free_bytes(self) -> int | None:
         try:

@@ -37,6 +37,10 @@ class FsspecBackend:
             ) from exc
         self.root = root.rstrip("/")
         self.location = url
+        protocols = {self.fs.protocol} if isinstance(self.fs.protocol, str) else self.fs.protocol
+        self.network = "memory" not in protocols
+        """Other hosts read the same objects through their own clients (memory:// is one
+        process's own)."""
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
@@ -61,6 +65,10 @@ class FsspecBackend:
             return self.fs.open(self._path(key), "rb")
         except OSError as exc:
             raise from_os_error(exc, "read", self._path(key)) from exc
+
+    def open_uncached(self, key: str) -> BinaryIO:
+        self.fs.invalidate_cache(self._path(key))
+        return self.open_read(key)
 
     def create_temp(self) -> TempFile:
         key = f"{TMP_DIR}/{temp_name()}"
@@ -105,6 +113,12 @@ class FsspecBackend:
             self.fs.mv(self._path(key), self._path(new_key))
         except OSError as exc:
             raise from_os_error(exc, "move", self._path(key)) from exc
+
+    def move_no_clobber(self, key: str, new_key: str) -> bool:
+        if self.fs.exists(self._path(new_key)):
+            return False
+        self.move(key, new_key)
+        return True
 
     def remove(self, key: str) -> None:
         try:
@@ -167,8 +181,13 @@ class FsspecBackend:
             return None
         return int(info["size"]), _modified(info) or 0.0
 
-    def touch(self, key: str) -> None:
+    def touch(self, key: str) -> bool:
         """Object stores cannot change a modification time without rewriting the object."""
+        return self.exists(key)
+
+    def exists(self, key: str) -> bool:
+        self.fs.invalidate_cache(self._path(key))
+        return bool(self.fs.exists(self._path(key)))
 
     def free_bytes(self) -> int | None:
         return None
