@@ -215,7 +215,11 @@ class EmbedRuntime(Runtime):
 
     def __init__(self, package: PackageFiles, model: nn.Module) -> None:
         settings = package.json("sentence_bert_config.json") or {}
-        super().__init__(package, settings.get("max_seq_length") or model.context_length)
+        length = settings.get("max_seq_length") or model.context_length
+        if not isinstance(length, int) or length < 1:
+            problem = f"has max_seq_length {length!r}, not a positive integer"
+            raise package.malformed("sentence_bert_config.json", problem)
+        super().__init__(package, length)
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(self.context_length)
         self.model = model
@@ -290,11 +294,14 @@ def _eos_token_ids(package: PackageFiles, tokenizer: Tokenizer) -> frozenset[int
     tokenizer's eos token, as most servers take them."""
     generation = package.json("generation_config.json") or {}
     config = package.json("config.json") or {}
+    source = "generation_config.json" if "eos_token_id" in generation else "config.json"
     listed = generation.get("eos_token_id", config.get("eos_token_id"))
     ids = set(listed if isinstance(listed, list) else [listed] if listed is not None else [])
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise package.malformed(source, f"has eos_token_id {listed!r}, which is not token ids")
     settings = package.json("tokenizer_config.json") or {}
     eos = _token_text(settings.get("eos_token"))
-    if eos and tokenizer.token_to_id(eos) is not None:
+    if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
         ids.add(tokenizer.token_to_id(eos))
     return frozenset(ids)
 
@@ -327,7 +334,7 @@ def _chat_template(package: PackageFiles) -> Any:
 def _template_in_settings(settings: dict[str, Any]) -> str | None:
     template = settings.get("chat_template")
     if isinstance(template, list):  # named templates: take the default one
-        named = {t.get("name"): t.get("template") for t in template}
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     return template if isinstance(template, str) else None
 

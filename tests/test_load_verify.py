@@ -240,6 +240,11 @@ LIES: dict[str, tuple[Callable[[Host, Manifest], None], str]] = {
         "error: artifact config.json of package tiny does not describe a llama model "
         "(KeyError: 'hidden_size')",
     ),
+    "eos-not-a-token-id": (
+        new_config(lambda c: c.update(eos_token_id=["<|endoftext|>"])),
+        "error: artifact config.json of package tiny has eos_token_id ['<|endoftext|>'], which "
+        "is not token ids",
+    ),
     "payload-size": (
         lambda _, m: m["payloads"][0].update(size=10**18),
         "error: package tiny: payload 1 of 1 (blob {payload}) holds {size} bytes, the manifest "
@@ -283,6 +288,25 @@ def test_a_signed_manifest_that_lies_about_a_part_is_refused(host: Host, lie: st
     assert expected.format(**facts, norm=first_norm(manifest)["name"]) in error
     assert error.endswith("; the package is malformed: ask its publisher to rebuild it\n")
     assert host.quarantine() == quarantined  # the blobs are sound: nothing is moved
+
+
+def test_a_rotten_file_outside_a_cache_is_refused_and_left_in_place(
+    host: Host, tmp_path: Path
+) -> None:
+    """load_runtime on plain files (no host cache to quarantine into) says which file."""
+    from flare.serve.runtime import load_runtime
+    from flare.store.errors import IntegrityError
+
+    digest = json.loads(host.run("registry", "show", "tiny", "--json").stdout)["digest"]
+    manifest = decode_index(host.registry_blob(digest).read_bytes(), "index")
+    files = {str(d): host.registry_blob(str(d)) for d in manifest.blobs()}
+    payload = manifest.payloads[0].digest
+    files[payload] = tmp_path / "payload"
+    files[payload].write_bytes(host.registry_blob(payload).read_bytes())
+    rot(files[payload], -2)
+    with pytest.raises(IntegrityError, match=f"replace {files[payload]} with a good copy"):
+        load_runtime(manifest, files)
+    assert files[payload].exists()
 
 
 # -- the checks themselves -----------------------------------------------------------------------

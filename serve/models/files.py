@@ -1,13 +1,14 @@
 """A package's files as the runtime reads them: artifacts by path, weights by tensor name.
 
 Nothing is trusted because it lies in the host cache: every blob is checked against the
-manifest as it is read. A payload is memory-mapped, the map is hashed (BLAKE3 on all
-threads) and its safetensors header compared with the manifest's entry, and only then are
-tensors made from that same map, so the weights that serve are the bytes that were hashed
-and signed. Artifacts are small: each is read once, hashed, and kept. A blob that does not
-hash to its digest is handed to `quarantine` (the host cache moves it aside, so the next
-pull fetches it again); a manifest that disagrees with its own blobs is refused (exit 6).
-"""
+manifest as it is read. A payload is memory-mapped and its safetensors header compared with
+the manifest's entry before any tensor is made; the tensors are views of that same map, and
+the map is hashed (BLAKE3 on all threads) while they are copied into the model, so a load
+that returns serves exactly the bytes that were hashed and signed, at little more than the
+cost of reading them. Artifacts are small: each is read once, hashed, and kept. A blob that
+does not hash to its digest is handed to `quarantine` (the host cache moves it aside, so
+the next pull fetches it again); a manifest that disagrees with its own blobs is refused
+(exit 6)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import io
 import json
 import mmap
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -100,18 +103,28 @@ class PackageFiles:
         )
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight by its Hugging Face name, made from the very map that was hashed and
-        checked against the manifest, one payload after another."""
-        for payload, part in zip(self.manifest.payloads, self._parts, strict=False):
+        """Every weight by its Hugging Face name, made from the very map that is hashed.
+
+        A payload's header is checked against the manifest before any of its tensors is made;
+        its hash runs on other threads meanwhile, while the caller copies the tensors into the
+        model, and must match before the next payload (or the end) is reached: a load that
+        returns has hashed every byte it copied."""
+        payloads = self.manifest.payloads
+        for payload, part in zip(payloads, self._parts[: len(payloads)], strict=True):
             where = f"{part.name} of package {self.manifest.name}"
             mapped = _map(self._local(part))
             view = memoryview(mapped if mapped is not None else b"")
-            self._check_digest(view, part)
-            check_size(part, len(view), where)
-            header = read_header(_reader(mapped), len(view), where)
-            check_payload(header, payload, where)
+            hashed = _hash_in_background(view)
+            try:
+                check_size(part, len(view), where)
+                header = read_header(_reader(mapped), len(view), where)
+                check_payload(header, payload, where)
+            except FormatError:  # a damaged blob, rather than a lying manifest, if it hashes wrong
+                self._check_digest(hashed.result(), part)
+                raise
             for entry in header.tensors.values():
                 yield entry.name, _tensor(view, header, entry)
+            self._check_digest(hashed.result(), part)
 
     def _read_artifacts(self) -> dict[str, bytes]:
         paths = [a.path for a in self.manifest.artifacts]
@@ -129,13 +142,12 @@ class PackageFiles:
             data = local.read_bytes()
         except OSError as exc:
             raise from_os_error(exc, "read", local) from exc
-        self._check_digest(memoryview(data), part)
+        self._check_digest(hash_bytes(data), part)
         check_size(part, len(data), f"package {self.manifest.name}")
         return data
 
-    def _check_digest(self, view: memoryview, part: Part) -> None:
-        """The bytes about to be used must be the blob the manifest names."""
-        actual = hash_bytes(view)
+    def _check_digest(self, actual: Digest, part: Part) -> None:
+        """The bytes read must be the blob the manifest names."""
         if actual != part.digest:
             raise self._corrupt(part, actual)
 
@@ -173,6 +185,21 @@ def _map(path: Path) -> mmap.mmap | None:
             return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
     except OSError as exc:
         raise from_os_error(exc, "read", path) from exc
+
+
+def _hash_in_background(view: memoryview) -> Future[Digest]:
+    """The view's digest, computed on threads of their own (BLAKE3 releases the GIL) while
+    the caller goes on reading the same bytes."""
+    future: Future[Digest] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(hash_bytes(view))
+        except BaseException as exc:  # handed to whoever waits for the digest
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="payload-hash", daemon=True).start()
+    return future
 
 
 def _reader(mapped: mmap.mmap | None) -> BinaryIO:
