@@ -900,6 +900,7 @@ def load_package_app(
         kv_cache_tokens,
         memory_reserve=load_config()["memory.reserve"],
         attention=attention,
+        quarantine=cache.quarantine_if_corrupt,
     )
     weights = sum(p.size for p in plan.manifest.payloads)
     kv = runtime.kv_stats()

@@ -25,7 +25,7 @@ from flare.store.blobs import PutResult
 from flare.store.digest import Digest
 from flare.store.errors import NoSpaceError
 from flare.store.hashing import Progress, parallel_map
-from flare.store.package import Manifest, decode_index
+from flare.store.package import Manifest, check_sizes, decode_index
 from flare.store.safetensors import DTYPE_SIZES
 
 GIB = 1 << 30
@@ -94,10 +94,11 @@ def plan_pull(registry: Registry, cache: HostCache, request: PullRequest) -> Pul
 def admit(
     registry: Registry, cache: HostCache, manifest: Manifest, request: PullRequest
 ) -> Admission:
-    """Refuse, before any copy, a package the host has no disk or memory for."""
-    sizes = {Digest.parse(p.digest): p.size for p in manifest.payloads}
-    sizes |= {Digest.parse(a.digest): a.size for a in manifest.artifacts}
-    missing = [(d, size) for d, size in sorted(sizes.items()) if not cache.store.has(d)]
+    """Refuse, before any copy, a package whose manifest misstates its blobs' sizes (disk
+    and memory are sized by them) or that the host has no disk or memory for."""
+    sizes, missing_digests = stored_sizes(registry, cache, manifest)
+    check_sizes(manifest, sizes, f"package {manifest.name}")
+    missing = [(d, sizes[d]) for d in missing_digests]
     linked = cache.links_from(registry.store)
     disk_needed = 0 if linked else sum(size for _, size in missing)
     disk_free = shutil.disk_usage(cache.root).free
@@ -111,6 +112,27 @@ def admit(
     )
     _check_room(manifest, cache, admission)
     return admission
+
+
+def stored_sizes(
+    registry: Registry, cache: HostCache, manifest: Manifest
+) -> tuple[dict[Digest, int], list[Digest]]:
+    """Each blob's real size (the registry's, which pull copies from; the cache's for a blob
+    only the cache still has), and the blobs the cache lacks."""
+    sizes: dict[Digest, int] = {}
+    missing = []
+    for digest in manifest.blobs():
+        cached = cache.store.locate(digest)
+        source = registry.store.locate(digest)
+        if source is not None:
+            sizes[digest] = registry.store.plain_size(source)
+        elif cached is not None:
+            sizes[digest] = cache.store.plain_size(cached)
+        else:
+            registry.store.require(digest)  # says where it is missing
+        if cached is None:
+            missing.append(digest)
+    return sizes, missing
 
 
 def _check_room(manifest: Manifest, cache: HostCache, admission: Admission) -> None:

@@ -29,7 +29,7 @@ from flare.serve.engine.runner import ModelRunner
 from flare.serve.engine.scheduler import Scheduler
 from flare.serve.engine.sequence import SamplingParams, TokenLogprob
 from flare.serve.models import load_model, model_kind
-from flare.serve.models.files import PackageFiles
+from flare.serve.models.files import PackageFiles, Quarantine
 from flare.store.errors import InvalidInputError, NotFoundError
 from flare.store.package import Manifest
 
@@ -64,16 +64,18 @@ def load_runtime(
     dtype: torch.dtype | None = None,
     memory_reserve: int = 0,
     attention: str = "auto",
+    quarantine: Quarantine | None = None,
 ) -> Runtime:
     """Load the package's model on `device` (fp32 on CPU, bf16 elsewhere unless `dtype`);
-    `files` maps every blob's digest text to a local verified file. A GPU's KV cache takes
-    a share of the memory left after the weights and `memory_reserve`; `attention` picks
-    the backend (serve/engine/attention.py, `make_attention`)."""
+    `files` maps every blob's digest text to a local file, each checked against the
+    manifest as it is read (a corrupt one goes to `quarantine`: see PackageFiles). A GPU's
+    KV cache takes a share of the memory left after the weights and `memory_reserve`;
+    `attention` picks the backend (serve/engine/attention.py, `make_attention`)."""
     if manifest.ranks != 1:
         raise InvalidInputError(
             f"package {manifest.name} is built for {manifest.ranks} ranks", "serve a 1-rank build"
         )
-    package = PackageFiles(manifest, files)
+    package = PackageFiles(manifest, files, quarantine)
     kind = model_kind(package)
     target = torch.device(device)
     dtype = dtype or (torch.float32 if target.type == "cpu" else torch.bfloat16)
@@ -214,7 +216,11 @@ class EmbedRuntime(Runtime):
 
     def __init__(self, package: PackageFiles, model: nn.Module) -> None:
         settings = package.json("sentence_bert_config.json") or {}
-        super().__init__(package, settings.get("max_seq_length") or model.context_length)
+        length = settings.get("max_seq_length") or model.context_length
+        if not isinstance(length, int) or length < 1:
+            problem = f"has max_seq_length {length!r}, not a positive integer"
+            raise package.malformed("sentence_bert_config.json", problem)
+        super().__init__(package, length)
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(self.context_length)
         self.model = model
@@ -271,13 +277,17 @@ def _default_kv_tokens(
 
 
 def _tokenizer(package: PackageFiles) -> Tokenizer:
-    path = package.artifact("tokenizer.json")
-    if path is None:
+    """The fast tokenizer, from the checked bytes of tokenizer.json."""
+    text = package.text("tokenizer.json")
+    if text is None:
         raise NotFoundError(
             f"package {package.manifest.name} has no tokenizer.json",
             "rebuild it from a checkpoint with a fast tokenizer",
         )
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as exc:  # the tokenizers library raises plain Exception for bad input
+        raise package.malformed("tokenizer.json", f"is not a tokenizer ({exc})") from None
 
 
 def _eos_token_ids(package: PackageFiles, tokenizer: Tokenizer) -> frozenset[int]:
@@ -285,11 +295,14 @@ def _eos_token_ids(package: PackageFiles, tokenizer: Tokenizer) -> frozenset[int
     tokenizer's eos token, as most servers take them."""
     generation = package.json("generation_config.json") or {}
     config = package.json("config.json") or {}
+    source = "generation_config.json" if "eos_token_id" in generation else "config.json"
     listed = generation.get("eos_token_id", config.get("eos_token_id"))
     ids = set(listed if isinstance(listed, list) else [listed] if listed is not None else [])
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise package.malformed(source, f"has eos_token_id {listed!r}, which is not token ids")
     settings = package.json("tokenizer_config.json") or {}
     eos = _token_text(settings.get("eos_token"))
-    if eos and tokenizer.token_to_id(eos) is not None:
+    if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
         ids.add(tokenizer.token_to_id(eos))
     return frozenset(ids)
 
@@ -307,17 +320,22 @@ def _token_text(value: Any) -> str | None:
 
 def _chat_template(package: PackageFiles) -> Any:
     """The compiled chat template: chat_template.jinja, else tokenizer_config.json's."""
-    path = package.artifact("chat_template.jinja")
-    source = path.read_text() if path is not None else None
+    path = "chat_template.jinja"
+    source = package.text(path)
     if source is None:
-        source = _template_in_settings(package.json("tokenizer_config.json") or {})
-    return None if source is None else _jinja().from_string(source)
+        path = "tokenizer_config.json"
+        source = _template_in_settings(package.json(path) or {})
+    try:
+        return None if source is None else _jinja().from_string(source)
+    except TemplateError as exc:  # a syntax error: the template can render nothing
+        problem = f"holds a chat template that does not parse ({exc})"
+        raise package.malformed(path, problem) from None
 
 
 def _template_in_settings(settings: dict[str, Any]) -> str | None:
     template = settings.get("chat_template")
     if isinstance(template, list):  # named templates: take the default one
-        named = {t.get("name"): t.get("template") for t in template}
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     return template if isinstance(template, str) else None
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import json
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
@@ -22,6 +24,7 @@ from flare.store.safetensors import (
     FormatError,
     Header,
     encode_header,
+    expected_nbytes,
     read_header,
 )
 
@@ -162,6 +165,31 @@ class Manifest(Strict):
     def total_size(self) -> int:
         return sum(p.size for p in self.payloads) + sum(a.size for a in self.artifacts)
 
+    def payload_part(self, number: int) -> str:
+        """How errors name the payload at this position: "payload 2 of 5"."""
+        return f"payload {number + 1} of {len(self.payloads)}"
+
+    def parts(self) -> list[Part]:
+        """Every payload and artifact, named as errors name them, with the blob and size the
+        manifest gives it (a blob named twice is two parts)."""
+        payloads = [
+            Part(self.payload_part(i), Digest.parse(p.digest), p.size)
+            for i, p in enumerate(self.payloads)
+        ]
+        artifacts = [
+            Part(f"artifact {a.path}", Digest.parse(a.digest), a.size) for a in self.artifacts
+        ]
+        return payloads + artifacts
+
+
+@dataclass(frozen=True)
+class Part:
+    """One payload or artifact of a package: its name in errors, its blob, its claimed size."""
+
+    name: str
+    digest: Digest
+    size: int
+
 
 def canonical_json(data: Any) -> str:
     """Sorted keys, no insignificant whitespace: one text for one value."""
@@ -235,17 +263,58 @@ def _check_payload_ranks(manifest: Manifest, where: str) -> None:
             raise FormatError(f"{where}: payload {payload.digest} names a rank >= {manifest.ranks}")
 
 
+MALFORMED_HINT = "the package is malformed: ask its publisher to rebuild it"
+
+
+def check_size(part: Part, actual: int, where: str) -> None:
+    """A part's blob must be as long as the manifest says: pull sizes disk and memory by it."""
+    if actual != part.size:
+        raise FormatError(
+            f"{where}: {part.name} (blob {part.digest}) holds {actual} bytes, "
+            f"the manifest says {part.size}",
+            MALFORMED_HINT,
+        )
+
+
+def check_sizes(manifest: Manifest, sizes: Mapping[Digest, int], where: str) -> None:
+    """Every part's claimed size against its blob's real one, and each payload's listed
+    tensors against the bytes it holds: checked from sizes alone, before anything is copied."""
+    for part in manifest.parts():
+        check_size(part, sizes[part.digest], where)
+    for number, payload in enumerate(manifest.payloads):
+        listed = sum(expected_nbytes(t.dtype, t.shape) for t in payload.tensors)
+        if listed > payload.size:
+            raise FormatError(
+                f"{where}: the tensors the manifest lists for {manifest.payload_part(number)} "
+                f"take {listed} bytes, the payload holds {payload.size}",
+                MALFORMED_HINT,
+            )
+
+
 def check_payload(header: Header, payload: Payload, where: str) -> None:
-    """A payload's safetensors header must hold exactly the tensors the manifest lists."""
+    """A payload's safetensors header must hold exactly the tensors the manifest lists, each
+    with the listed dtype and shape, at the byte range the listed order gives it."""
     listed = {t.name: t for t in payload.tensors}
     if set(header.tensors) != set(listed):
         missing = sorted(set(listed) - set(header.tensors))[:3]
         extra = sorted(set(header.tensors) - set(listed))[:3]
-        raise FormatError(f"{where} does not match its manifest (missing {missing}, extra {extra})")
-    for name, entry in header.tensors.items():
-        want = listed[name]
+        raise FormatError(
+            f"{where} does not match its manifest (missing {missing}, extra {extra})",
+            MALFORMED_HINT,
+        )
+    start = 0
+    for want in payload.tensors:
+        entry = header.tensors[want.name]
         if entry.dtype != want.dtype or entry.shape != want.shape:
             raise FormatError(
-                f"{where}: tensor {name} is {entry.dtype}{list(entry.shape)}, "
-                f"the manifest says {want.dtype}{list(want.shape)}"
+                f"{where}: tensor {want.name} is {entry.dtype}{list(entry.shape)}, "
+                f"the manifest says {want.dtype}{list(want.shape)}",
+                MALFORMED_HINT,
             )
+        if (entry.start, entry.end) != (start, start + entry.nbytes):
+            raise FormatError(
+                f"{where}: tensor {want.name} lies at bytes [{entry.start}, {entry.end}) of the "
+                f"data, the manifest's order puts it at [{start}, {start + entry.nbytes})",
+                MALFORMED_HINT,
+            )
+        start = entry.end

@@ -23,7 +23,7 @@ def _llama(files: PackageFiles) -> nn.Module:
 
 
 def _bert(files: PackageFiles) -> nn.Module:
-    modules = files.json("modules.json") or []
+    modules = files.json("modules.json", list) or []
     pooling_path = next((m["path"] for m in modules if m.get("type", "").endswith("Pooling")), None)
     pooling = files.json(f"{pooling_path}/config.json") if pooling_path else None
     return BertEmbedder(files.require_json("config.json"), Pooling.from_files(modules, pooling))
@@ -45,10 +45,21 @@ def load_model(files: PackageFiles, device: torch.device, dtype: torch.dtype) ->
     """The package's model on `device` in `dtype`, weights loaded, in eval mode."""
     create = _family(files)[1]
     with torch.device("meta"):
-        model = create(files)
+        model = _create(create, files)
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(files.tensors())
     return model.eval()
+
+
+def _create(create: Callable[[PackageFiles], nn.Module], files: PackageFiles) -> nn.Module:
+    """Build the model from the package's config files; a config that does not describe a
+    model of the recipe (a missing key, a wrong type) is a malformed package, said so."""
+    try:
+        return create(files)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError) as exc:
+        recipe = files.manifest.recipe.name
+        problem = f"does not describe a {recipe} model ({type(exc).__name__}: {exc})"
+        raise files.malformed("config.json", problem) from exc
 
 
 def _family(files: PackageFiles) -> tuple[str, Callable[[PackageFiles], nn.Module]]:

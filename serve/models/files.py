@@ -1,37 +1,94 @@
-"""A package's files as the runtime reads them: artifacts by path, weights by tensor name."""
+"""A package's files as the runtime reads them: artifacts by path, weights by tensor name.
+
+Nothing is trusted because it lies in the host cache: every blob is checked against the
+manifest as it is read. A payload is memory-mapped and its safetensors header compared with
+the manifest's entry before any tensor is made; the tensors are views of that same map, and
+the map is hashed (BLAKE3 on all threads) while they are copied into the model, so a load
+that returns serves exactly the bytes that were hashed and signed, at little more than the
+cost of reading them. Artifacts are small: each is read once, hashed, and kept. A blob that
+does not hash to its digest is handed to `quarantine` (the host cache moves it aside, so
+the next pull fetches it again); a manifest that disagrees with its own blobs is refused
+(exit 6)."""
 
 from __future__ import annotations
 
+import io
 import json
+import mmap
+import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from flare.store.errors import InvalidInputError, NotFoundError
-from flare.store.package import Manifest
+from flare.store.digest import Digest
+from flare.store.errors import IntegrityError, InvalidInputError, NotFoundError, from_os_error
+from flare.store.hashing import hash_bytes
+from flare.store.package import MALFORMED_HINT, Manifest, Part, check_payload, check_size
+from flare.store.safetensors import FormatError, Header, TensorEntry, read_header
+
+Quarantine = Callable[[Digest], str | None]
+"""Moves a corrupt blob out of the host cache; returns where it went (None: it was intact)."""
+
+TORCH_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "I16": torch.int16, "U16": torch.uint16, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
+    "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64,
+}  # fmt: skip
 
 
 class PackageFiles:
-    """`files` maps each blob's digest text to a local, verified file."""
+    """`files` maps each blob's digest text to a local file; `quarantine`, where the files
+    are a host cache's blobs, moves a corrupt one aside."""
 
-    def __init__(self, manifest: Manifest, files: Mapping[str, Path]) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        files: Mapping[str, Path],
+        quarantine: Quarantine | None = None,
+    ) -> None:
         self.manifest = manifest
         self.files = files
+        self.quarantine = quarantine
+        self._parts = manifest.parts()
+        self._artifacts: dict[str, bytes] | None = None
 
-    def artifact(self, path: str) -> Path | None:
-        """The local file of an artifact, or None if the package has none at that path."""
-        for artifact in self.manifest.artifacts:
-            if artifact.path == path:
-                return self._local(artifact.digest, path)
-        return None
+    def artifact(self, path: str) -> bytes | None:
+        """An artifact's checked bytes, or None if the package has none at that path. The
+        first call reads and checks every artifact, before anything is built from one."""
+        if self._artifacts is None:
+            self._artifacts = self._read_artifacts()
+        return self._artifacts.get(path)
 
-    def json(self, path: str) -> dict[str, Any] | None:
-        local = self.artifact(path)
-        return None if local is None else json.loads(local.read_text())
+    def text(self, path: str) -> str | None:
+        """An artifact that must be UTF-8 text (a template, a tokenizer's JSON), or None."""
+        data = self.artifact(path)
+        if data is None:
+            return None
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise self.malformed(path, f"is not UTF-8 text (byte {exc.start})") from None
+
+    def json(self, path: str, shape: type = dict) -> Any:
+        """An artifact that must be JSON of this shape (dict: an object, list: a list)."""
+        text = self.text(path)
+        if text is None:
+            return None
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # bad JSON, a huge number, deep nesting
+            raise self.malformed(path, f"is not JSON ({exc})") from None
+        if not isinstance(value, shape):
+            raise self.malformed(path, f"is not a JSON {'object' if shape is dict else 'list'}")
+        return value
 
     def require_json(self, path: str) -> dict[str, Any]:
         data = self.json(path)
@@ -39,19 +96,128 @@ class PackageFiles:
             raise NotFoundError(f"package {self.manifest.name} has no {path}", "rebuild it")
         return data
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight by its Hugging Face name, memory-mapped from the payload files."""
-        for payload in self.manifest.payloads:
-            local = self._local(payload.digest, f"payload {payload.digest}")
-            with safe_open(str(local), framework="pt", device="cpu") as reader:
-                for name in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield name, reader.get_tensor(name)
+    def malformed(self, path: str, problem: str) -> FormatError:
+        """The error for an artifact whose content the runtime cannot use (exit 6)."""
+        return FormatError(
+            f"artifact {path} of package {self.manifest.name} {problem}", MALFORMED_HINT
+        )
 
-    def _local(self, digest: str, what: str) -> Path:
-        local = self.files.get(digest)
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight by its Hugging Face name, made from the very map that is hashed.
+
+        A payload's header is checked against the manifest before any of its tensors is made;
+        its hash runs on other threads meanwhile, while the caller copies the tensors into the
+        model, and must match before the next payload (or the end) is reached: a load that
+        returns has hashed every byte it copied."""
+        payloads = self.manifest.payloads
+        for payload, part in zip(payloads, self._parts[: len(payloads)], strict=True):
+            where = f"{part.name} of package {self.manifest.name}"
+            mapped = _map(self._local(part))
+            view = memoryview(mapped if mapped is not None else b"")
+            hashed = _hash_in_background(view)
+            try:
+                check_size(part, len(view), where)
+                header = read_header(_reader(mapped), len(view), where)
+                check_payload(header, payload, where)
+            except FormatError:  # a damaged blob, rather than a lying manifest, if it hashes wrong
+                self._check_digest(hashed.result(), part)
+                raise
+            for entry in header.tensors.values():
+                yield entry.name, _tensor(view, header, entry)
+            self._check_digest(hashed.result(), part)
+
+    def _read_artifacts(self) -> dict[str, bytes]:
+        paths = [a.path for a in self.manifest.artifacts]
+        doubled = sorted({p for p in paths if paths.count(p) > 1})
+        if doubled:
+            raise FormatError(
+                f"package {self.manifest.name} lists artifact {doubled[0]} twice", MALFORMED_HINT
+            )
+        parts = self._parts[len(self.manifest.payloads) :]
+        return {path: self._read_artifact(part) for path, part in zip(paths, parts, strict=True)}
+
+    def _read_artifact(self, part: Part) -> bytes:
+        local = self._local(part)
+        try:
+            data = local.read_bytes()
+        except OSError as exc:
+            raise from_os_error(exc, "read", local) from exc
+        self._check_digest(hash_bytes(data), part)
+        check_size(part, len(data), f"package {self.manifest.name}")
+        return data
+
+    def _check_digest(self, actual: Digest, part: Part) -> None:
+        """The bytes read must be the blob the manifest names."""
+        if actual != part.digest:
+            raise self._corrupt(part, actual)
+
+    def _corrupt(self, part: Part, actual: Digest) -> IntegrityError:
+        """The error for a blob that changed on this host, quarantined where it can be."""
+        what = (
+            f"{part.name} of package {self.manifest.name} (blob {part.digest}) is corrupt on this "
+            f"host: its bytes hash to {actual.hex[:16]}"
+        )
+        moved = self.quarantine(part.digest) if self.quarantine is not None else None
+        if moved is None:
+            return IntegrityError(what, f"replace {self._local(part)} with a good copy")
+        return IntegrityError(
+            what,
+            f"moved it to {moved}; the next flare serve or flare pull fetches it again "
+            "from the registry",
+        )
+
+    def _local(self, part: Part) -> Path:
+        local = self.files.get(str(part.digest))
         if local is None:
-            raise NotFoundError(f"no local file for {what} ({digest})", "pull the package again")
+            raise NotFoundError(
+                f"no local file for {part.name} ({part.digest})", "pull the package again"
+            )
         return local
+
+
+def _map(path: Path) -> mmap.mmap | None:
+    """The file's bytes, mapped copy-on-write (tensors need a writable buffer, and nothing
+    they do reaches the file); None for an empty file, which cannot be mapped."""
+    try:
+        with open(path, "rb") as handle:
+            if os.fstat(handle.fileno()).st_size == 0:
+                return None
+            return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    except OSError as exc:
+        raise from_os_error(exc, "read", path) from exc
+
+
+def _hash_in_background(view: memoryview) -> Future[Digest]:
+    """The view's digest, computed on threads of their own (BLAKE3 releases the GIL) while
+    the caller goes on reading the same bytes."""
+    future: Future[Digest] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(hash_bytes(view))
+        except BaseException as exc:  # handed to whoever waits for the digest
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="payload-hash", daemon=True).start()
+    return future
+
+
+def _reader(mapped: mmap.mmap | None) -> BinaryIO:
+    """The map as a file for the header reader, from its start."""
+    if mapped is None:
+        return io.BytesIO(b"")
+    mapped.seek(0)
+    return mapped  # type: ignore[return-value]
+
+
+def _tensor(view: memoryview, header: Header, entry: TensorEntry) -> torch.Tensor:
+    """A tensor over its bytes in the map (no copy: loading copies it into the model)."""
+    dtype = TORCH_DTYPES[entry.dtype]
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=dtype)
+    start = header.data_offset + entry.start
+    flat = torch.frombuffer(view, dtype=dtype, count=entry.nbytes // entry.itemsize, offset=start)
+    return flat.view(entry.shape)
 
 
 def load_by_name(
@@ -60,7 +226,8 @@ def load_by_name(
     ignore: Callable[[str], bool] | None = None,
 ) -> None:
     """Copy tensors into same-named parameters (casting dtype, moving device); refuse a
-    package that leaves a parameter unset or holds a tensor the model does not know."""
+    package that leaves a parameter unset, holds a tensor the model does not know, or one
+    whose shape is not the one its config gives the parameter."""
     params = dict(module.named_parameters())
     missing = set(params)
     for name, tensor in tensors:
@@ -68,6 +235,12 @@ def load_by_name(
             continue
         if name not in params:
             raise InvalidInputError(f"the package holds tensor {name}, unknown to this model")
+        if params[name].shape != tensor.shape:
+            raise FormatError(
+                f"tensor {name} is {list(tensor.shape)} in the payload, the package's "
+                f"config.json makes it {list(params[name].shape)}",
+                MALFORMED_HINT,
+            )
         with torch.no_grad():
             params[name].copy_(tensor)
         missing.discard(name)
