@@ -232,13 +232,16 @@ LIES: dict[str, tuple[Callable[[Host, Manifest], None], str]] = {
     ),
     "config-narrower-than-weights": (
         new_config(lambda c: c.update(hidden_size=32)),
-        "error: tensor lm_head.weight is [264, 64] in the payload, the package's "
-        "config.json makes it [264, 32]",
+        "error: artifact config.json of package tiny is refused: config.json: "
+        "hidden_size is 32, but model.embed_tokens.weight in payload",
+    ),
+    "config-a-billion-layers": (
+        new_config(lambda c: c.update(num_hidden_layers=10**9)),
+        "error: artifact config.json of package tiny is refused: config.json: num_hidden_layers ",
     ),
     "config-without-hidden-size": (
         new_config(lambda c: c.pop("hidden_size")),
-        "error: artifact config.json of package tiny does not describe a llama model "
-        "(KeyError: 'hidden_size')",
+        "error: artifact config.json of package tiny is refused: config.json lacks hidden_size",
     ),
     "eos-not-a-token-id": (
         new_config(lambda c: c.update(eos_token_id=["<|endoftext|>"])),

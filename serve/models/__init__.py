@@ -12,10 +12,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from flare.model_sizes import LAYOUTS, check_sizes, manifest_shapes
 from flare.serve.models.bert import BertEmbedder, Pooling
 from flare.serve.models.files import PackageFiles
 from flare.serve.models.llama import LlamaForCausalLM
-from flare.store.errors import InvalidInputError
+from flare.store.errors import FlareError, InvalidInputError
 
 
 def _llama(files: PackageFiles) -> nn.Module:
@@ -44,11 +45,25 @@ def model_kind(files: PackageFiles) -> str:
 def load_model(files: PackageFiles, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """The package's model on `device` in `dtype`, weights loaded, in eval mode."""
     create = _family(files)[1]
+    _check_config(files)
     with torch.device("meta"):
         model = _create(create, files)
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(files.tensors())
     return model.eval()
+
+
+def _check_config(files: PackageFiles) -> None:
+    """The config's sizes against the manifest's tensor shapes, before anything is sized by
+    them: a signed config.json claiming a billion layers is refused at once, not allocated."""
+    recipe = files.manifest.recipe.name
+    if recipe not in LAYOUTS:
+        return
+    config = files.require_json("config.json")
+    try:
+        check_sizes(recipe, config, manifest_shapes(files.manifest), "config.json")
+    except FlareError as exc:
+        raise files.malformed("config.json", f"is refused: {exc.what}") from exc
 
 
 def _create(create: Callable[[PackageFiles], nn.Module], files: PackageFiles) -> nn.Module:
