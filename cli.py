@@ -31,8 +31,10 @@ from flare.config import (
     Config,
     check_signing_unset,
     load_config,
+    parse_body_size,
     parse_duration,
     parse_size,
+    parse_timeout,
     record_signing_key,
 )
 from flare.registry.database import UnusableIndexError
@@ -838,20 +840,42 @@ def serve_command(
             "can run)."
         ),
     ] = Attention.AUTO,
+    max_body_size: Annotated[
+        str | None,
+        typer.Option(help="Largest request body taken, e.g. 4M; 413 past it. [default: 4M]"),
+    ] = None,
+    body_timeout: Annotated[
+        str | None,
+        typer.Option(
+            help="Time a request body may take to arrive, e.g. 30s; 408 past it. [default: 30s]"
+        ),
+    ] = None,
 ) -> None:
     """Pull, verify and check a package, then serve it behind an OpenAI-compatible API."""
     _require_serve_extra()
     from flare.registry.leases import hold_lease
     from flare.serve.server import listen, run_server
 
+    limits = _body_limits(max_body_size, body_timeout)
     sock = listen(host, port)
     source, cache, report = pull_into_cache(ref, registry, device, revision, accept)
     plan = report.plan
     with hold_lease(source.store, "serve", packages=[plan.digest]):
         runtime, app_ = load_package_app(
-            source, cache, plan, kv_cache_tokens, api_key, attention.value
+            source, cache, plan, kv_cache_tokens, api_key, attention.value, limits
         )
         run_server(app_, runtime, sock, _say_ready(plan))
+
+
+def _body_limits(max_body_size: str | None, body_timeout: str | None) -> Any:
+    """The options, else the serve.* settings."""
+    from flare.serve.limits import BodyLimits
+
+    config = load_config()
+    return BodyLimits(
+        config["serve.max_body_size"] if max_body_size is None else parse_body_size(max_body_size),
+        config["serve.body_timeout"] if body_timeout is None else parse_timeout(body_timeout),
+    )
 
 
 def load_package_app(
@@ -861,6 +885,7 @@ def load_package_app(
     kv_cache_tokens: int | None,
     api_key: str | None,
     attention: str = "auto",
+    limits: Any = None,
 ) -> tuple[Any, Any]:
     """Load the pulled package on the device pull admitted it for (printing what it cost)
     and make its API app."""
@@ -895,7 +920,7 @@ def load_package_app(
         publisher=plan.verdict.publisher,
         created=_created(source, plan),
     )
-    return runtime, create_app(runtime, package, api_key)
+    return runtime, create_app(runtime, package, api_key, limits)
 
 
 def _created(source: Registry, plan: Any) -> int:
