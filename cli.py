@@ -842,21 +842,24 @@ def serve_command(
     ] = Attention.AUTO,
     max_body_size: Annotated[
         str | None,
-        typer.Option(help="Largest request body taken, e.g. 4M; 413 past it. [default: 4M]"),
+        typer.Option(
+            help="Largest request body taken, e.g. 4M; 413 past it (default: serve.max_body_size)."
+        ),
     ] = None,
     body_timeout: Annotated[
         str | None,
         typer.Option(
-            help="Time a request body may take to arrive, e.g. 30s; 408 past it. [default: 30s]"
+            help="Time a request body may take to arrive, e.g. 30s; 408 past it (default: "
+            "serve.body_timeout)."
         ),
     ] = None,
 ) -> None:
     """Pull, verify and check a package, then serve it behind an OpenAI-compatible API."""
     _require_serve_extra()
+    limits = _body_limits(max_body_size, body_timeout)
     from flare.registry.leases import hold_lease
     from flare.serve.server import listen, run_server
 
-    limits = _body_limits(max_body_size, body_timeout)
     sock = listen(host, port)
     source, cache, report = pull_into_cache(ref, registry, device, revision, accept)
     plan = report.plan
@@ -873,9 +876,19 @@ def _body_limits(max_body_size: str | None, body_timeout: str | None) -> Any:
 
     config = load_config()
     return BodyLimits(
-        config["serve.max_body_size"] if max_body_size is None else parse_body_size(max_body_size),
-        config["serve.body_timeout"] if body_timeout is None else parse_timeout(body_timeout),
+        _option("--max-body-size", max_body_size, parse_body_size, config["serve.max_body_size"]),
+        _option("--body-timeout", body_timeout, parse_timeout, config["serve.body_timeout"]),
     )
+
+
+def _option(name: str, given: str | None, parse: Any, default: Any) -> Any:
+    """An option's value parsed, or the default; a bad value names the option."""
+    if given is None:
+        return default
+    try:
+        return parse(given)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{name}: {exc.what}", exc.hint) from exc
 
 
 def load_package_app(

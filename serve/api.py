@@ -102,7 +102,7 @@ def create_app(
     app.post("/v1/embeddings", **v1.route(EmbeddingList, not generates))(routes.embeddings)
     chunks = (CompletionChunk, ChatCompletionChunk) if generates else ()
     document = openapi_document(app, package.name, api_key is not None, chunks)
-    app.get("/openapi.json", include_in_schema=False)(lambda: document)
+    app.get("/openapi.json", include_in_schema=False)(lambda: JSONResponse(document))
     return app
 
 

@@ -8,10 +8,11 @@ framework, decides and answers:
 
 - a body over the limit gets 413 with an OpenAI error body. A `Content-Length` over the limit
   is refused before a byte is kept; past the limit nothing more is kept (a chunked body is
-  counted as it comes). The rest of the body is still read and thrown away, within the time
-  limit, before answering: a server that answers and closes while the client is still sending
-  resets the connection, and the client may never see the 413. A client that sent
-  `Expect: 100-continue` has sent nothing yet and is answered at once.
+  counted as it comes). The rest of the body is still read and thrown away, up to as much
+  again as the limit and within the time limit, before answering: a server that answers and
+  closes while the client is still sending resets the connection, and the client may never
+  see the 413. A client that sent `Expect: 100-continue` has sent nothing yet and is answered
+  at once.
 - a body that has not arrived whole within the time limit (a client trickling it a byte at a
   time, or stalled) gets 408.
 
@@ -33,10 +34,11 @@ Send = Callable[[Message], Awaitable[None]]
 App = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-"""4 MiB: a request filling a 128k-token context takes about 0.9 MB as token ids, and text
-JSON-escaped at 12 bytes a token (`\\ud83d\\ude00`) still fits; docs/config.md says more."""
+"""4 MiB: a request filling a 128k-token context takes about 0.9 MB as token ids, 0.5 MB as
+English text, and text JSON-escaped at 12 bytes a token still fits; docs/config.md says more.
+The same as the serve.max_body_size setting's default, for apps made without the config."""
 DEFAULT_BODY_TIMEOUT_S = 30.0
-"""A whole 4 MiB body arrives in 30 s at 1.2 Mbit/s."""
+"""A whole 4 MiB body arrives in 30 s at 1.1 Mbit/s; serve.body_timeout's default too."""
 
 
 @dataclass(frozen=True)
@@ -62,37 +64,35 @@ class LimitBodies:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
-        if declared is None:
-            await self._refuse(scope, send, 400, "the Content-Length header is not a number")
-            return
-        too_big = declared > self.limits.max_bytes
+        body = await self._body(scope, receive, send)
+        if body is not None:
+            await self.app(scope, _replay(body, receive), send)
+
+    async def _body(
+        self, scope: MutableMapping[str, Any], receive: Receive, send: Send
+    ) -> bytes | None:
+        """The request's whole body, or None when it was refused (answered here) or the
+        client went away."""
+        too_big = _content_length(scope) > self.limits.max_bytes
         if too_big and _expects_continue(scope):
             await self._refuse_size(scope, send)
-            return
+            return None
         try:
             body = await self._read(receive, keep=not too_big)
         except _Disconnected:
-            return
+            return None
         except TimeoutError:
-            await self._refuse(
-                scope,
-                send,
-                408,
-                f"the request body did not arrive within {self.limits.timeout_s:g} s; "
-                "send it whole, at once",
-                "request_timeout",
-            )
-            return
+            await self._refuse_time(scope, send)
+            return None
         if body is None:
             await self._refuse_size(scope, send)
-            return
-        await self.app(scope, _replay(body, receive), send)
+        return body
 
     async def _read(self, receive: Receive, keep: bool) -> bytes | None:
-        """The whole body, or None when it is over the limit (it is then read to its end and
-        thrown away); raises TimeoutError past the time limit, unless the body is already
-        known to be too big, when it stops reading and returns None."""
+        """The whole body, or None when it is over the limit (it is then read on, to its end
+        or to twice the limit, and thrown away); raises TimeoutError past the time limit,
+        unless the body is already known to be too big, when it stops reading and returns
+        None."""
         chunks: list[bytes] = []
         size = 0
         try:
@@ -108,7 +108,7 @@ class LimitBodies:
                         chunks.append(chunk)
                     else:
                         chunks.clear()
-                    if not message.get("more_body", False):
+                    if not message.get("more_body", False) or size > 2 * self.limits.max_bytes:
                         break
         except TimeoutError:
             if keep:
@@ -125,6 +125,16 @@ class LimitBodies:
             "request_too_large",
         )
 
+    async def _refuse_time(self, scope: MutableMapping[str, Any], send: Send) -> None:
+        await self._refuse(
+            scope,
+            send,
+            408,
+            f"the request body did not arrive within {self.limits.timeout_s:g} s; "
+            "send it whole, at once",
+            "request_timeout",
+        )
+
     @staticmethod
     async def _refuse(
         scope: MutableMapping[str, Any],
@@ -137,11 +147,12 @@ class LimitBodies:
         await response(scope, _nothing_more, send)
 
 
-def _content_length(scope: MutableMapping[str, Any]) -> int | None:
-    """The declared body size (0 when none is declared), or None when it is not a number."""
+def _content_length(scope: MutableMapping[str, Any]) -> int:
+    """The declared body size; 0 when none is declared (the HTTP server refuses one that is
+    not a number; if one came through, counting the bytes still holds the limit)."""
     for name, value in scope["headers"]:
         if name == b"content-length":
-            return int(value) if value.isdigit() else None
+            return int(value) if value.isdigit() else 0
     return 0
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -261,3 +263,17 @@ def test_openapi_json_is_served_valid_and_describes_the_model(default: Server) -
     assert "HTTPValidationError" not in schemas
     for hidden in ("/docs", "/redoc"):
         assert httpx.get(f"{default.root}{hidden}").status_code == 404
+
+
+def test_a_bad_limit_option_is_one_line_naming_it(tmp_path: Path) -> None:
+    """Checked first: nothing is pulled or loaded (there is nothing to pull here)."""
+    for option, value in (("--max-body-size", "lots"), ("--body-timeout", "0")):
+        done = subprocess.run(
+            [sys.executable, "-m", "flare", "serve", "tiny", option, value],
+            env=flare_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 4 and done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith(f"error: {option}: "), done.stderr
