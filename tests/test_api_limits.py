@@ -277,3 +277,17 @@ def test_a_bad_limit_option_is_one_line_naming_it(tmp_path: Path) -> None:
         )
         assert done.returncode == 4 and done.stderr.count("\n") == 1, done.stderr
         assert done.stderr.startswith(f"error: {option}: "), done.stderr
+
+
+def test_with_an_api_key_the_document_says_so_and_stays_open(home: Path) -> None:
+    locked = Server(flare_env(home, FLARE_API_KEY="s3cret"), "tiny")
+    try:
+        document = httpx.get(f"{locked.root}/openapi.json").json()
+        assert document["components"]["securitySchemes"] == {
+            "bearer": {"type": "http", "scheme": "bearer"}
+        }
+        assert document["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
+        assert "security" not in document["paths"]["/health"]["get"]
+        assert httpx.get(f"{locked.url}/models").status_code == 401
+    finally:
+        locked.stop()
