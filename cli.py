@@ -31,8 +31,10 @@ from flare.config import (
     Config,
     check_signing_unset,
     load_config,
+    parse_body_size,
     parse_duration,
     parse_size,
+    parse_timeout,
     record_signing_key,
 )
 from flare.registry.database import UnusableIndexError
@@ -861,9 +863,23 @@ def serve_command(
             "can run)."
         ),
     ] = Attention.AUTO,
+    max_body_size: Annotated[
+        str | None,
+        typer.Option(
+            help="Largest request body taken, e.g. 4M; 413 past it (default: serve.max_body_size)."
+        ),
+    ] = None,
+    body_timeout: Annotated[
+        str | None,
+        typer.Option(
+            help="Time a request body may take to arrive, e.g. 30s; 408 past it (default: "
+            "serve.body_timeout)."
+        ),
+    ] = None,
 ) -> None:
     """Pull, verify and check a package, then serve it behind an OpenAI-compatible API."""
     _require_serve_extra()
+    limits = _body_limits(max_body_size, body_timeout)
     from flare.registry.leases import hold_lease
     from flare.serve.server import listen, run_server
 
@@ -872,9 +888,30 @@ def serve_command(
     plan = report.plan
     with hold_lease(source.store, "serve", packages=[plan.digest]):
         runtime, app_ = load_package_app(
-            source, cache, plan, kv_cache_tokens, api_key, attention.value
+            source, cache, plan, kv_cache_tokens, api_key, attention.value, limits
         )
         run_server(app_, runtime, sock, _say_ready(plan))
+
+
+def _body_limits(max_body_size: str | None, body_timeout: str | None) -> Any:
+    """The options, else the serve.* settings."""
+    from flare.serve.limits import BodyLimits
+
+    config = load_config()
+    return BodyLimits(
+        _option("--max-body-size", max_body_size, parse_body_size, config["serve.max_body_size"]),
+        _option("--body-timeout", body_timeout, parse_timeout, config["serve.body_timeout"]),
+    )
+
+
+def _option(name: str, given: str | None, parse: Any, default: Any) -> Any:
+    """An option's value parsed, or the default; a bad value names the option."""
+    if given is None:
+        return default
+    try:
+        return parse(given)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{name}: {exc.what}", exc.hint) from exc
 
 
 def load_package_app(
@@ -884,6 +921,7 @@ def load_package_app(
     kv_cache_tokens: int | None,
     api_key: str | None,
     attention: str = "auto",
+    limits: Any = None,
 ) -> tuple[Any, Any]:
     """Load the pulled package on the device pull admitted it for (printing what it cost)
     and make its API app."""
@@ -919,7 +957,7 @@ def load_package_app(
         publisher=plan.verdict.publisher,
         created=_created(source, plan),
     )
-    return runtime, create_app(runtime, package, api_key)
+    return runtime, create_app(runtime, package, api_key, limits)
 
 
 def _created(source: Registry, plan: Any) -> int:

@@ -66,6 +66,22 @@ def _level(text: str | int) -> int:
     return check_zstd_level(int(text))
 
 
+def parse_body_size(text: str | int) -> int:
+    """A size (as parse_size) of at least one byte: the most a request body may hold."""
+    size = parse_size(text)
+    if size < 1:
+        raise InvalidInputError(f"a body limit of {size} bytes takes no request", "use e.g. 4M")
+    return size
+
+
+def parse_timeout(text: str | int | float) -> float:
+    """A duration (as parse_duration) longer than zero."""
+    seconds = parse_duration(str(text))
+    if seconds <= 0:
+        raise InvalidInputError(f"a timeout of {seconds:g} s waits for nothing", "use e.g. 30s")
+    return seconds
+
+
 @dataclass(frozen=True)
 class Setting:
     """One configurable value: its key in the file, its variable, how to read it."""
@@ -141,6 +157,20 @@ SETTINGS: tuple[Setting, ...] = (
         parse_size,
         lambda _h, _e: "4G",
         "device memory left free when serving",
+    ),
+    Setting(
+        "serve.max_body_size",
+        "FLARE_SERVE_MAX_BODY_SIZE",
+        parse_body_size,
+        lambda _h, _e: "4M",
+        "largest request body flare serve takes (413 past it)",
+    ),
+    Setting(
+        "serve.body_timeout",
+        "FLARE_SERVE_BODY_TIMEOUT",
+        parse_timeout,
+        lambda _h, _e: "30s",
+        "time a request body may take to arrive at flare serve (408 past it)",
     ),
     Setting(
         "store.encoding",

@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP API over one loaded package (fastapi).
 
-The routes translate; the runtime schedules. A request is validated whole (body, model name,
-sampling values, prompt and max_tokens against the context) before it reaches the engine, so
-bad input costs the running batch nothing. A client that goes away mid-stream cancels its
-request, which frees its KV pages at the engine's next step.
+The routes translate; the runtime schedules. A request is validated whole (body size and
+arrival time, body, model name, sampling values, prompt and max_tokens against the context)
+before it reaches the engine, so bad input costs the running batch nothing. Request-sized work
+(chat rendering, tokenizing, embedding) runs on worker threads, never on the event loop, so
+/health and the streams of other requests are answered meanwhile. A client that goes away
+mid-stream cancels its request, which frees its KV pages at the engine's next step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import secrets
@@ -19,13 +22,30 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from flare.serve.errors import ApiError
+from flare.serve.limits import BodyLimits, LimitBodies
 from flare.serve.metrics import render_metrics
+from flare.serve.openapi import event_stream, openapi_document
+from flare.serve.prompts import Prompts
 from flare.serve.runtime import Delta, RequestFailed, RequestHandle, Runtime, SamplingParams
-from flare.serve.schemas import ChatRequest, CompletionRequest, EmbeddingRequest, Sampling
-from flare.store.errors import FlareError
+from flare.serve.schemas import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatRequest,
+    Completion,
+    CompletionChunk,
+    CompletionRequest,
+    EmbeddingList,
+    EmbeddingRequest,
+    ErrorResponse,
+    Health,
+    ModelList,
+    Sampling,
+)
 
 SAMPLING_RANGES = {
     "temperature": [0.0, 2.0],
@@ -35,6 +55,14 @@ SAMPLING_RANGES = {
 }
 """What a request may ask for; the package's defaults are advertised beside them."""
 DEFAULT_COMPLETION_TOKENS = 16
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "the request is not one this server takes"},
+    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "the model is not the one served here"},
+    408: {"model": ErrorResponse, "description": "the body did not arrive in time"},
+    413: {"model": ErrorResponse, "description": "the body is over the size limit"},
+}
+"""What every /v1/ route may answer besides its result."""
 
 
 @dataclass(frozen=True)
@@ -47,42 +75,64 @@ class ServedPackage:
     created: int
 
 
-class ApiError(Exception):
-    """An OpenAI-style error: a status, a message, and what part of the request it concerns."""
-
-    def __init__(
-        self, status: int, message: str, kind: str = "invalid_request_error", **extra: Any
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.extra = status, message, kind, extra
-
-    def body(self) -> dict[str, Any]:
-        error = {"message": self.message, "type": self.kind, "param": None, "code": None}
-        return {"error": error | self.extra}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
 def _failed(exc: RequestFailed) -> ApiError:
     """A request the engine ended with an error: the server's fault, and this request's only."""
     return ApiError(500, str(exc), "server_error")
 
 
-def create_app(runtime: Runtime, package: ServedPackage, api_key: str | None = None) -> FastAPI:
-    """The app for one runtime: health, metrics, models, completions, chat, embeddings."""
+def create_app(
+    runtime: Runtime,
+    package: ServedPackage,
+    api_key: str | None = None,
+    limits: BodyLimits | None = None,
+) -> FastAPI:
+    """The app for one runtime: health, metrics, models, completions, chat, embeddings, and
+    its OpenAPI document; request bodies are held to `limits` (serve/limits.py)."""
     app = FastAPI(title="flare", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ready = False
-    auth = [Depends(_bearer(api_key))]
+    app.add_middleware(LimitBodies, limits=limits or BodyLimits())
     _add_error_handlers(app)
     routes = _Routes(runtime, package)
-    app.get("/health")(routes.health)
-    app.get("/metrics")(routes.metrics)
-    app.get("/v1/models", dependencies=auth)(routes.models)
-    app.post("/v1/completions", dependencies=auth)(routes.completions)
-    app.post("/v1/chat/completions", dependencies=auth)(routes.chat)
-    app.post("/v1/embeddings", dependencies=auth)(routes.embeddings)
+    health = {200: {"model": Health}, 503: {"model": Health, "description": "not ready"}}
+    app.get("/health", response_model=None, responses=health)(routes.health)
+    text = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
+    app.get("/metrics", response_class=PlainTextResponse, responses=text)(routes.metrics)
+    v1 = _V1(api_key)
+    generates = runtime.kind == "generate"
+    app.get("/v1/models", **v1.route(ModelList))(routes.models)
+    completions = v1.route(Completion, generates, CompletionChunk)
+    app.post("/v1/completions", **completions)(routes.completions)
+    chat = v1.route(ChatCompletion, generates, ChatCompletionChunk)
+    app.post("/v1/chat/completions", **chat)(routes.chat)
+    app.post("/v1/embeddings", **v1.route(EmbeddingList, not generates))(routes.embeddings)
+    chunks = (CompletionChunk, ChatCompletionChunk) if generates else ()
+    document = openapi_document(app, package.name, api_key is not None, chunks)
+    app.get("/openapi.json", include_in_schema=False)(lambda: JSONResponse(document))
     return app
+
+
+@dataclass(frozen=True)
+class _V1:
+    """How every /v1/ route is declared: behind the key, with its documented answers (the
+    handlers build their bodies as dicts; the models document them, unchecked). A route the
+    served model cannot answer (embeddings of a generating model) stays, to say so in a 400,
+    but is left out of the OpenAPI document, which lists what this server does."""
+
+    api_key: str | None
+
+    def route(
+        self, answer: type, serves: bool = True, chunk: type[BaseModel] | None = None
+    ) -> dict[str, Any]:
+        """`answer`: the body of a 200; `chunk`: the events of one with `stream: true`."""
+        ok: dict[str, Any] = {"model": answer}
+        if chunk is not None:
+            ok["content"] = event_stream(chunk)
+        return {
+            "dependencies": [Depends(_bearer(self.api_key))],
+            "response_model": None,
+            "responses": ERRORS | {200: ok},
+            "include_in_schema": serves,
+        }
 
 
 def _bearer(api_key: str | None):  # type: ignore[no-untyped-def]
@@ -100,26 +150,28 @@ def _bearer(api_key: str | None):  # type: ignore[no-untyped-def]
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    async def api_error(_request: Request, exc: ApiError) -> Response:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return ApiError(400, _describe(exc)).response()
+    async def invalid(_request: Request, exc: RequestValidationError) -> Response:
+        param, message = _describe(exc)
+        return ApiError(400, message, param=param).response()
 
     @app.exception_handler(HTTPException)
-    async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+    async def http_error(_request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return ApiError(exc.status_code, str(exc.detail), kind).response()
+        return ApiError(exc.status_code, str(exc.detail), kind).response(exc.headers)
 
 
-def _describe(exc: RequestValidationError) -> str:
-    """The first problem with a request body, as one line."""
+def _describe(exc: RequestValidationError) -> tuple[str | None, str]:
+    """The field and the first problem with a request body, as one line."""
     first = exc.errors()[0]
     if first.get("type") == "json_invalid":
-        return "the request body is not valid JSON"
+        return None, "the request body is not valid JSON"
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+    message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+    return where or None, message
 
 
 class _Routes:
@@ -128,6 +180,7 @@ class _Routes:
     def __init__(self, runtime: Runtime, package: ServedPackage) -> None:
         self.runtime = runtime
         self.package = package
+        self.prompts = Prompts(runtime)
 
     async def health(self, request: Request) -> JSONResponse:
         ready = bool(request.app.state.ready)
@@ -151,22 +204,17 @@ class _Routes:
 
     async def completions(self, body: CompletionRequest) -> Any:
         self._check_model(body.model, "generate")
-        prompt = body.prompt_value()
-        ids = prompt if isinstance(prompt, list) else self.runtime.tokenizer.encode(prompt).ids
-        params = self._params(body, ids, body.max_tokens or DEFAULT_COMPLETION_TOKENS)
+        ids = await asyncio.to_thread(self.prompts.completion_ids, body.prompt_value())
+        params = self._params(body, ids, body.max_tokens or DEFAULT_COMPLETION_TOKENS, "prompt")
         params.logprobs = body.logprobs
         reply = _Reply("text_completion", self.package.name, self.runtime, len(ids))
         return await self._answer(body, reply, self._submit(ids, params))
 
     async def chat(self, body: ChatRequest) -> Any:
         self._check_model(body.model, "generate")
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = self.runtime.render_chat(messages)
-        except (ValueError, FlareError) as exc:
-            raise ApiError(400, str(exc)) from exc
-        ids = self.runtime.tokenizer.encode(text, add_special_tokens=False).ids
-        params = self._params(body, ids, body.limit())
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = await asyncio.to_thread(self.prompts.chat_ids, messages)
+        params = self._params(body, ids, body.limit(), "messages")
         params.logprobs = (body.top_logprobs or 0) if body.logprobs else None
         reply = _Reply("chat.completion", self.package.name, self.runtime, len(ids))
         return await self._answer(body, reply, self._submit(ids, params))
@@ -174,8 +222,7 @@ class _Routes:
     async def embeddings(self, body: EmbeddingRequest) -> dict[str, Any]:
         self._check_model(body.model, "embed")
         texts = body.texts()
-        counts = self.runtime.count_tokens(texts)  # past the context, cut (sentence-transformers)
-        vectors = self.runtime.embed(texts)
+        counts, vectors = await asyncio.to_thread(self._embed, texts)
         data = [
             {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
             for i, v in enumerate(vectors)
@@ -183,11 +230,16 @@ class _Routes:
         usage = {"prompt_tokens": sum(counts), "total_tokens": sum(counts)}
         return {"object": "list", "model": self.package.name, "data": data, "usage": usage}
 
+    def _embed(self, texts: list[str]) -> tuple[list[int], list[list[float]]]:
+        """Token counts (past the context, cut, as sentence-transformers does) and vectors."""
+        return self.runtime.count_tokens(texts), self.runtime.embed(texts)
+
     def _check_model(self, model: str, kind: str) -> None:
         if model != self.package.name:
             raise ApiError(
                 404,
                 f"model {model!r} is not served here; this server runs {self.package.name!r}",
+                param="model",
                 code="model_not_found",
             )
         if self.runtime.kind != kind:
@@ -195,19 +247,25 @@ class _Routes:
                 400, f"{model} is a {self.runtime.kind} model; this route needs a {kind} model"
             )
 
-    def _params(self, body: Sampling, ids: list[int], max_tokens: int | None) -> SamplingParams:
-        """The request's sampling, falling back to the package's advertised defaults."""
+    def _params(
+        self, body: Sampling, ids: list[int], max_tokens: int | None, prompt: str
+    ) -> SamplingParams:
+        """The request's sampling, falling back to the package's advertised defaults; `prompt`
+        names the field the prompt came in."""
         context = self.runtime.context_length
         if not ids:
-            raise ApiError(400, "the prompt is empty")
+            raise ApiError(400, "the prompt is empty", param=prompt)
         if len(ids) >= context:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens; the context is {context}")
+            raise ApiError(
+                400, f"the prompt is {len(ids)} tokens; the context is {context}", param=prompt
+            )
         limit = max_tokens if max_tokens is not None else context - len(ids)
         if len(ids) + limit > context:
             raise ApiError(
                 400,
                 f"max_tokens {limit} + prompt {len(ids)} tokens exceed the context of "
                 f"{context}; ask for at most {context - len(ids)}",
+                param="max_tokens",
             )
         defaults = self.runtime.sampling_defaults
         return SamplingParams(

@@ -75,8 +75,11 @@ class Server:
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_home(tmp_path_factory.mktemp("serve"))
+
+
+def build_home(root: Path) -> Path:
     """A host with a signing key and the tiny Llama and MiniLM packages built and signed."""
-    root = tmp_path_factory.mktemp("serve")
     env = flare_env(root)
     flare(env, "key", "generate", "--publisher", "alice")
     flare(env, "build", str(make_tiny_llama(root / "tiny-llama")), "--name", "tiny")
