@@ -31,6 +31,7 @@ import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -42,6 +43,7 @@ from faults.trials import KINDS, Outcome, Violation, run_trial
 
 ROUND = 40
 """Trials per round of the schedule: each kind gets its weight's share of a round, shuffled."""
+DEFAULT_TRIALS = 200
 
 
 def schedule(rng: random.Random, kinds: list[str]) -> list[str]:
@@ -52,22 +54,47 @@ def schedule(rng: random.Random, kinds: list[str]) -> list[str]:
     return round_
 
 
-def soak(lab: Lab, minutes: float, seed: int, kinds: list[str]) -> list[Outcome]:
-    """Trials until the time is up; trial i has the seed seed * 1,000,000 + i."""
+def soak(
+    lab: Lab, trials: float, minutes: float, seed: int, kinds: list[str], jobs: int
+) -> list[Outcome]:
+    """Trials until `trials` are done or `minutes` are up, `jobs` at once; trial i has the
+    seed seed * 1,000,000 + i and its kind from the seeded schedule, whatever the timing."""
     rng = random.Random(seed)
     deadline = time.monotonic() + minutes * 60
+    planned: list[str] = []
     outcomes: list[Outcome] = []
-    queue: list[str] = []
-    while time.monotonic() < deadline:
-        queue = queue or schedule(rng, kinds)
-        outcomes.append(trial(lab, queue.pop(), seed * 1_000_000 + len(outcomes), len(outcomes)))
-    return outcomes
+    started = 0
+    lock = threading.Lock()
+
+    def next_trial() -> tuple[str, int] | None:
+        nonlocal started
+        with lock:
+            if started >= trials or time.monotonic() >= deadline:
+                return None
+            if started == len(planned):
+                planned.extend(schedule(rng, kinds))
+            started += 1
+            return planned[started - 1], started - 1
+
+    def worker() -> None:
+        while (job := next_trial()) is not None:
+            kind, number = job
+            outcome = trial(lab, kind, seed * 1_000_000 + number, number)
+            with lock:
+                outcomes.append(outcome)
+
+    threads = [threading.Thread(target=worker) for _ in range(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sorted(outcomes, key=lambda o: o.seed)
 
 
 def trial(lab: Lab, kind: str, seed: int, number: int) -> Outcome:
     """Run one trial (KIND or KIND/MODE) and print a line about it."""
     outcome = run_trial(lab, kind, seed)
-    items = sorted({str(v.item) for v in outcome.violations})
+    items = sorted({"new" if v.item is None else str(v.item) for v in outcome.violations})
     found = f", {len(outcome.violations)} violations (items {', '.join(items)})" * bool(items)
     print(
         f"[{number:4}] {outcome.kind:30} seed {seed}: {outcome.faults} faults, "
@@ -86,7 +113,7 @@ def summary(outcomes: list[Outcome], seconds: float) -> str:
         row = rows[o.kind]
         for i, value in enumerate((1, o.faults, o.caught, len(o.violations), o.lost)):
             row[i] += value
-        items[o.kind] |= {str(v.item) for v in o.violations}
+        items[o.kind] |= {"new" if v.item is None else str(v.item) for v in o.violations}
     header = ("kind/mode", "trials", "faults", "caught", "violations", "lost", "items")
     table = [header]
     for kind in sorted(rows):
@@ -119,7 +146,11 @@ def _violation(v: Violation) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--minutes", type=float, help="stop starting trials after this")
+    parser.add_argument(
+        "--trials", type=int, help="stop after this many (default 200 unless --minutes)"
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="trials at once (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--postgres", default=os.environ.get("FLARE_TEST_POSTGRES"))
     parser.add_argument("--kinds", help="comma-separated trial kinds (default: all)")
@@ -141,7 +172,9 @@ def main() -> None:
                 for n, (kind, seed) in enumerate(r.rsplit(":", 1) for r in args.repro)
             ]
         else:
-            outcomes = soak(lab, args.minutes, args.seed, kinds)
+            trials = args.trials or (float("inf") if args.minutes else DEFAULT_TRIALS)
+            minutes = args.minutes or float("inf")
+            outcomes = soak(lab, trials, minutes, args.seed, kinds, args.jobs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(summary(outcomes, time.monotonic() - started))

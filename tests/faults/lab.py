@@ -144,17 +144,30 @@ class Home:
     ) -> Run:
         """Run a command to its end (killed, with timed_out set, past the timeout)."""
         process = self.start(*args, env=env, kill_at=kill_at, memory_limit=memory_limit)
+        return self.finish(process, args, timeout, env, kill_at)
+
+    def finish(
+        self,
+        process: subprocess.Popen[str],
+        args: tuple[str, ...] | list[str],
+        timeout: float = COMMAND_TIMEOUT_S,
+        env: dict[str, str] | None = None,
+        kill_at: str | None = None,
+        kill: bool = False,
+    ) -> Run:
+        """Wait for a started command; SIGKILL it after `timeout` s: on purpose with `kill`,
+        else as a command that hung (timed_out)."""
         started = time.monotonic()
         try:
             out, err = process.communicate(timeout=timeout)
-            timed_out = False
+            late = False
         except subprocess.TimeoutExpired:
             kill_group(process)
             out, err = process.communicate()
-            timed_out = True
+            late = not kill
         seconds = time.monotonic() - started
         full_env = self.environment(env, kill_at)
-        return Run(list(args), process.returncode, out, err, seconds, timed_out, full_env)
+        return Run(list(args), process.returncode, out, err, seconds, late, full_env)
 
     def start(
         self,
@@ -182,17 +195,7 @@ class Home:
 
     def kill_after(self, delay: float, *args: str, env: dict[str, str] | None = None) -> Run:
         """Start a command and SIGKILL it after `delay` seconds, as a host dies."""
-        process = self.start(*args, env=env)
-        started = time.monotonic()
-        try:
-            out, err = process.communicate(timeout=delay)
-        except subprocess.TimeoutExpired:
-            kill_group(process)
-            out, err = process.communicate()
-        seconds = time.monotonic() - started
-        return Run(
-            list(args), process.returncode, out, err, seconds, False, self.environment(env, None)
-        )
+        return self.finish(self.start(*args, env=env), args, delay, env, kill=True)
 
 
 def kill_group(process: subprocess.Popen[str]) -> None:

@@ -23,8 +23,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from faults import checks
-from faults.lab import LIVE, PULLABLE, Home, Lab, Run, kill_group, postgres_database, remount, tmpfs
-from faults.lab import write_filler as fill
+from faults.lab import (
+    COMMAND_TIMEOUT_S,
+    LIVE,
+    PULLABLE,
+    Home,
+    Lab,
+    Run,
+    kill_group,
+    postgres_database,
+    remount,
+    tmpfs,
+    write_filler,
+)
 from faults.serving import Server, hostile_requests
 
 DEFAULT = object()
@@ -278,13 +289,15 @@ def kill_publish(t: Trial, mode: str) -> None:
     before = checks.protected(home.registry)
     args = t.lab.build_args("tiny", "ck", config, "k")
     process = home.start(*args)
+    watchdog = threading.Timer(COMMAND_TIMEOUT_S, kill_group, [process])
+    watchdog.start()
     assert process.stderr is not None
     for line in process.stderr:
         if line.strip() == "phase publish":
             time.sleep(t.rng.uniform(0.0, 0.15))
             break
-    kill_group(process)
-    process.communicate()
+    watchdog.cancel()
+    home.finish(process, args, 0, kill=True)
     t.fault()
     resume_to_clean(t, home, args, t.lab.digest("tiny", "ck", config), 1)
     settle(t, home, before)
@@ -558,9 +571,8 @@ def disk_full(t: Trial, mode: str) -> None:
         process = home.start(*command)
         took = {"registry": "build", "staging": "build", "cache": "pull", "dest": "copy"}[target]
         time.sleep(t.rng.uniform(0.05, t.lab.seconds[took]))
-        fill(place)
-        out, err = process.communicate(timeout=120)
-        first = Run(command, process.returncode, out, err, 0.0, env=home.env)
+        write_filler(place)
+        first = home.finish(process, command)
     else:
         first = home.run(*command)
     if t.check(first, ok=(0, 8)) and (first.rc == 0 or "space" in first.err.lower()):
@@ -904,7 +916,7 @@ KINDS: dict[str, Kind] = {
         2,
         needs_mount=True,
     ),
-    "hosts": Kind(hosts, {"sqlite": None, "postgresql": None}, 0.6),
+    "hosts": Kind(hosts, {"sqlite": None, "postgresql": None}, 1),
     "serve-requests": Kind(serve_requests, {"hostile": 1}, 0.2),
     "serve-cache": Kind(serve_cache, {"flip": 4}, 0.3),
     "serve-malformed": Kind(serve_malformed, dict.fromkeys(MALFORMED, 5), 0.4),
