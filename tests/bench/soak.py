@@ -107,18 +107,19 @@ def trial(lab: Lab, kind: str, seed: int, number: int) -> Outcome:
 
 def summary(outcomes: list[Outcome], seconds: float) -> str:
     """The table per kind and mode, the totals, then every violation."""
-    rows: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])
+    rows: dict[str, list[int]] = defaultdict(lambda: [0] * 6)
     items: dict[str, set[str]] = defaultdict(set)
     for o in outcomes:
         row = rows[o.kind]
-        for i, value in enumerate((1, o.faults, o.caught, len(o.violations), o.lost)):
+        failed = bool(o.violations)
+        for i, value in enumerate((1, o.faults, o.caught, failed, len(o.violations), o.lost)):
             row[i] += value
         items[o.kind] |= {"new" if v.item is None else str(v.item) for v in o.violations}
-    header = ("kind/mode", "trials", "faults", "caught", "violations", "lost", "items")
+    header = ("kind/mode", "trials", "faults", "caught", "failed", "violations", "lost", "items")
     table = [header]
     for kind in sorted(rows):
         table.append((kind, *map(str, rows[kind]), ",".join(sorted(items[kind]))))
-    totals = [sum(r[i] for r in rows.values()) for i in range(5)]
+    totals = [sum(r[i] for r in rows.values()) for i in range(6)]
     table.append(("total", *map(str, totals), ""))
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]

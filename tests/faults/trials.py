@@ -129,7 +129,8 @@ class Trial:
         elif "internal error" in run.err or "Traceback" in run.err:
             self.violate(f"internal error: {run.message()}", run, item)
         elif run.rc not in ok:
-            self.violate(f"exit {run.rc} (expected {ok}): {run.message()}", run, item)
+            said = run.message() or " ".join(run.out.split())[:300]
+            self.violate(f"exit {run.rc} (expected {_codes(ok)}): {said}", run, item)
         else:
             return True
         return False
@@ -137,6 +138,10 @@ class Trial:
     def close(self) -> None:
         self.stack.close()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _codes(ok: tuple[int, ...]) -> str:
+    return f"{ok[0]}-{ok[-1]}" if len(ok) > 2 else " or ".join(map(str, ok))
 
 
 def _symptom(run: Run | None) -> int | None:
@@ -662,10 +667,11 @@ def _host(t: Trial, i: int, home: Home, rng: random.Random, deadline: float, las
             done = home.run("registry", "tag", f"{name}:h{i}", f"{name}:t{i}", "--json")
             if t.check(done, ok=(0, 3)) and done.rc == 0:
                 last[(name, f"t{i}")] = done.json()["digest"].removeprefix("blake3:")  # type: ignore[index]
-        elif op == "rm":
-            done = home.run("registry", "rm", f"{name}:t{i}")
+        elif op == "rm":  # removes every tag of the name on that package: h<i> too, maybe
+            done = home.run("registry", "rm", f"{name}:t{i}", "--json")
             if t.check(done, ok=(0, 3)) and done.rc == 0:
-                last.pop((name, f"t{i}"), None)
+                for tag in done.json()["tags"]:  # type: ignore[index]
+                    last.pop((name, tag), None)
         elif op == "pull":
             t.check(home.run("pull", f"{name}:h{rng.randrange(4)}", "--device", "cpu"), ok=(0, 3))
         elif op == "gc":
