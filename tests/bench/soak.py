@@ -1,4 +1,4 @@
-"""Soak: break flare on purpose, at seeded random points, for N minutes; check the invariants
+"""Soak: break flare on purpose at seeded random points, trial after trial; check the invariants
 after every trial; print what was injected, caught and lost.
 
 Trials (tests/faults/trials.py, shared with the CI subset in tests/faults/test_faults.py):
@@ -14,11 +14,14 @@ each: the next command works or fails with its documented error (never an intern
 missing blob, a resumed build gives the digest of an uninterrupted one (built once at the
 start), and no package a tag or pin protected is lost.
 
-    python tests/bench/soak.py --minutes N [--seed S] [--postgres URL] [--kinds K,...]
-    python tests/bench/soak.py --repro KIND:SEED [--repro ...]
+    python tests/bench/soak.py [--trials N] [--minutes N] [--jobs J] [--seed S]
+        [--postgres URL] [--kinds K,...]
+    python tests/bench/soak.py --repro KIND[/MODE]:SEED [--repro ...]
+
+A run is 200 trials unless --trials or --minutes says otherwise (both: whichever comes first).
 
 Needs root for the tmpfs mounts (disk-full trials are skipped otherwise). Prints one line per
-trial on stderr, then a table per trial kind and mode (trials, faults injected, caught,
+trial on stderr, then a table per trial kind and mode (trials, faults injected, caught, failed,
 violations, packages lost), then every violation with the issue-13 item it belongs to, the
 command that showed it and how to run that trial again. Exits 1 on any violation.
 """

@@ -277,14 +277,22 @@ class Lab:
         options = CONFIGS[config].options
         return ["build", str(self.source(source)), "--name", name, "--tag", tag, *options, "--json"]
 
-    def home(
-        self, name: str, base: bool = False, registry: Path | None = None, database: str = ""
+    def home(self, name: str, base: bool = False) -> Home:
+        """A host folder under the lab, for preparing it."""
+        return self.host(self.root / name, base)
+
+    def host(
+        self, root: Path, base: bool = False, registry: Path | None = None, database: str = ""
     ) -> Home:
-        """A host folder under the lab; with `base`, its registry starts as the prepared one."""
-        home = Home(self.root / name, self.xdg, registry, database)
+        """A host at root; with `base`, its registry starts as a copy of the prepared one."""
+        home = Home(root, self.xdg, registry, database)
         if base:
-            shutil.copytree(self.root / "base" / "registry", home.registry, symlinks=True)
+            self.copy_base(home.registry)
         return home
+
+    def copy_base(self, registry: Path) -> None:
+        """A copy of the prepared registry (its SQLite index included) at `registry`."""
+        shutil.copytree(self.root / "base" / "registry", registry, symlinks=True)
 
     def digest(self, name: str, source: str, config: str) -> str:
         return self.digests[(name, source, config)]

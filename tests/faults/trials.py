@@ -24,6 +24,7 @@ from pathlib import Path
 
 from faults import checks
 from faults.lab import (
+    BASE_PACKAGES,
     COMMAND_TIMEOUT_S,
     LIVE,
     PULLABLE,
@@ -70,9 +71,6 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
-    def items(self) -> set[int | None]:
-        return {v.item for v in self.violations}
-
 
 class Trial:
     """One trial's seeded random numbers, folder, homes, mounts and findings."""
@@ -93,10 +91,7 @@ class Trial:
     ) -> Home:
         """A host under the trial's folder; with `base`, its registry starts as the lab's
         prepared one."""
-        home = Home(self.root / name, self.lab.xdg, registry, database)
-        if base:
-            shutil.copytree(self.lab.root / "base" / "registry", home.registry, symlinks=True)
-        return home
+        return self.lab.host(self.root / name, base, registry, database)
 
     def mount(self, path: Path, size: str) -> Path:
         return self.stack.enter_context(tmpfs(path, size))
@@ -230,10 +225,8 @@ def _short(digests: set[str] | frozenset[str]) -> str:
     return "[" + ", ".join(sorted(d[:12] for d in digests)) + "]"
 
 
-def live_package(t: Trial, ref: str) -> tuple[str, str, str, str]:
+def live_package(ref: str) -> tuple[str, str, str, str]:
     """(name, source, config, tag) of one of the prepared registry's live packages."""
-    from faults.lab import BASE_PACKAGES
-
     name, tag = ref.split(":")
     package = next(p for p in BASE_PACKAGES if (p.name, p.tag) == (name, tag))
     return package.name, package.source, package.config, package.tag
@@ -472,7 +465,7 @@ def corrupt_blob(t: Trial, mode: str) -> None:
     verify_exact(t, home, missing={victim})
     affected = {r for r, d in before.items() if d == victim or victim in _needs(home, d)}
     for rebuilt in sorted(affected & set(LIVE)):
-        name, source, config, tag = live_package(t, rebuilt)
+        name, source, config, tag = live_package(rebuilt)
         done = home.run(*t.lab.build_args(name, source, config, tag))
         if t.check(done) and done.json()["digest"] != t.lab.digest(name, source, config):  # type: ignore[index]
             t.violate(f"rebuilding {rebuilt} gave another digest", done)
@@ -620,7 +613,7 @@ def hosts(t: Trial, mode: str) -> None:
             t.note("no PostgreSQL server given")
             return
         database = t.stack.enter_context(postgres_database(t.lab.postgres))
-    shutil.copytree(t.lab.root / "base" / "registry", shared, symlinks=True)
+    t.lab.copy_base(shared)
     homes = [t.home(f"host{i}", registry=shared, database=database) for i in range(4)]
     if database:
         t.check(homes[0].run("registry", "reindex"))
