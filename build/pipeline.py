@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flare.build.checkpoint import SourceTensor, read_config, read_tensors, weight_files
-from flare.build.faults import crash_point
 from flare.build.journal import Journal, inputs_digest
 from flare.build.payloads import payload_key, planned_size, store_payload
 from flare.build.plan import PAYLOAD_BYTES, PlannedPayload, plan_payloads
@@ -26,6 +25,7 @@ from flare.build.recipes.base import Recipe, check_tensors
 from flare.build.rendezvous import Rendezvous
 from flare.build.sources import Source, resolve_source
 from flare.build.statcache import StatCache, digest_files
+from flare.faults import crash_point
 from flare.registry.leases import Lease, add_to_lease, hold_lease
 from flare.registry.registry import Registry
 from flare.store.digest import Digest
