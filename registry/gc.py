@@ -121,9 +121,9 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     marked = Marked(mark(registry, found, keep=not dry_run), found.blobs)
     since: set[str] = set()  # reached by roots that came during the sweep
     old_before = found.old_before(started - grace_s)
+    checked_at = time.monotonic()  # the roots are read again once forgetting took that long
     if not dry_run:
         report.forgotten = _forget_doomed(registry, found, old_before)
-    checked_at = time.monotonic()
     for share in unmarked(registry.store, marked.in_folder):
         report.marked += share.marked
         for hex_digest, key, size, modified in share.unmarked:
@@ -158,7 +158,9 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
 def _forget_doomed(registry: Registry, found: Roots, old_before: float) -> list[str]:
     """Forget the name records of the packages the sweep will delete: unrooted, with an index
     untouched since `old_before`, or already gone. Before the sweep, so that a package still
-    recorded is one the sweep leaves whole, however the collector ends."""
+    recorded is one the sweep leaves whole, however the collector ends. A record whose name
+    tagged or pinned the package since the refs were read stays (its blobs are kept too: the
+    sweep reads the roots again)."""
     store, forgotten = registry.store, []
     for record in found.refs.records:
         digest = record.digest
@@ -166,8 +168,8 @@ def _forget_doomed(registry: Registry, found: Roots, old_before: float) -> list[
             continue
         info = store.locate(digest)
         stat = None if info is None else store.backend.stat(blob_key(digest, info.encoding))
-        if stat is None or stat[1] < old_before:
-            registry.forget(record.name, digest)
+        doomed = stat is None or stat[1] < old_before
+        if doomed and registry.forget_untagged(record.name, digest):
             forgotten.append(f"{record.name}@{digest}")
     return forgotten
 

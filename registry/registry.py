@@ -218,10 +218,23 @@ class Registry:
         ref files, so that a kill between leaves the index naming nothing the store lacks (the
         record stays in the store: forgetting it again, or gc, finishes the job)."""
         dropped_tags = refs.tags_at(self.store, name, digest)
+        self._forget_record(name, digest, dropped_tags)
+        return dropped_tags
+
+    def forget_untagged(self, name: str, digest: Digest) -> bool:
+        """Forget NAME's record of a package that no tag or pin of NAME names (for gc), as
+        `forget` does; nothing if one does now (a tag made since gc read the refs), and never
+        a tag. Returns whether it forgot."""
+        pinned = digest in refs.pins_of(self.store, name)
+        if pinned or refs.tags_at(self.store, name, digest):
+            return False
+        self._forget_record(name, digest, [])
+        return True
+
+    def _forget_record(self, name: str, digest: Digest, tags: list[str]) -> None:
         self.db.write(lambda c: self._forget(c, name, digest))
         crash_point("forget:refs")
-        refs.forget_package(self.store, name, digest, dropped_tags)
-        return dropped_tags
+        refs.forget_package(self.store, name, digest, tags)
 
     def _forget(self, connection: Connection, name: str, digest: Digest) -> None:
         key = str(digest)
