@@ -22,7 +22,7 @@ from flare.store.blobs import BlobStore
 from flare.store.digest import Digest, parse_prefix, resolve_prefix
 from flare.store.errors import FlareError, InvalidInputError, NotFoundError
 from flare.store.names import check_name
-from flare.store.safetensors import FormatError, read_header
+from flare.store.safetensors import MANIFEST_KEY, FormatError, read_header
 
 if TYPE_CHECKING:
     from flare.store.package import Manifest
@@ -341,8 +341,6 @@ def is_package_index(store: BlobStore, digest: Digest) -> bool:
     whose only metadata is the manifest (any format version). Only its header is read, unless
     that is not safetensors: then the whole blob, checked against its digest, so that a
     corrupt index raises IntegrityError rather than pass for a blob of another kind."""
-    from flare.store.package import MANIFEST_KEY  # pydantic: only for commands that check
-
     info = store.require(digest)
     try:
         with store.open(digest) as reader:
