@@ -96,11 +96,14 @@ def _found(store: BlobStore, bad: list[BadRef] | None, ref: BadRef) -> None:
 
 
 def _read(store: BlobStore, key: str, bad: list[BadRef] | None) -> bytes | None:
-    """A ref file's bytes; None if absent, or a folder where the file belongs (a bad ref)."""
+    """A ref file's bytes; None if absent (a file where a folder above it belongs included: a
+    scan reports that file), or if a folder is where the file belongs (a bad ref)."""
     try:
         return store.backend.read(key)
     except (FlareError, OSError) as exc:
         cause = exc.__cause__ if isinstance(exc, FlareError) else exc
+        if isinstance(cause, NotADirectoryError):
+            return None
         if not isinstance(cause, IsADirectoryError):
             raise
     _found(store, bad, BadRef(key, "a folder where a file belongs"))
@@ -125,7 +128,7 @@ def _is_file(store: BlobStore, key: str) -> bool:
 def _shown(data: bytes) -> str:
     """What a bad file holds, short and printable."""
     text = data[:80].decode("ascii", "replace").strip()
-    printable = data.isascii() and text.isprintable()
+    printable = data.isascii() and text.replace("\n", " ").replace("\t", " ").isprintable()
     return repr(text) if printable else f"{len(data)} bytes that are not text"
 
 
