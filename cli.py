@@ -1295,7 +1295,7 @@ def registry_du(registry: RegistryOption = None, as_json: JsonOption = False) ->
 
 @registry_app.command("reindex")
 def registry_reindex(registry: RegistryOption = None, as_json: JsonOption = False) -> None:
-    """Rebuild the index DB from the store (after a corrupt or lost DB). Exit 13 if bad ref
+    """Rebuild the index DB from the store (after a corrupt or lost DB). Exit 14 if bad ref
     files were left out."""
     report = open_registry(registry, set_aside_corrupt=True).reindex()
     if as_json:
@@ -1360,7 +1360,7 @@ def registry_verify(
     as_json: JsonOption = False,
 ) -> None:
     """Re-hash packages' blobs in parallel; check every ref file. Exit 6 if a blob is corrupt,
-    else 13 if a ref file is bad, else 3 if a blob is missing, else 11.
+    else 14 if a ref file is bad, else 3 if a blob is missing, else 11.
 
     11: with --signatures, a package is unsigned or signed by no trusted publisher."""
     target = open_registry(registry)

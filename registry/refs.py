@@ -67,7 +67,7 @@ def _is_hex(text: str) -> bool:
 class BadRefError(FlareError):
     """A ref file that does not say what its path promises, or that names no package index."""
 
-    exit_code = 13
+    exit_code = 14
 
 
 @dataclass(frozen=True)

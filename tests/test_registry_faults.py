@@ -231,7 +231,7 @@ def test_gc_killed_at_random_times_leaves_no_half_collected_package(
 
 # -- item 9: bad ref files -------------------------------------------------------------------
 
-BAD_REF = 13
+BAD_REF = 14
 
 
 @pytest.fixture
