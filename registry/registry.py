@@ -108,8 +108,7 @@ class Registry:
         index_size = self.store.require(digest).stored_size
         if self.store.backend.stat(marks.marks_key(digest)) is None:
             marks.write_marks(self.store, digest, {digest.hex, *(d.hex for d in manifest.blobs())})
-        pinned = digest in refs.pins_of(self.store, name, bad=[])
-        self.db.write(lambda c: self._index_package(c, record, manifest, index_size, pinned))
+        self.db.write(lambda c: self._index_package(c, record, manifest, index_size))
         if tag is not None:
             row = {"name": name, "tag": tag, "digest": str(digest)}
             self.db.write(lambda c: _put(c, tags, row))
@@ -120,7 +119,6 @@ class Registry:
         record: refs.PackageRecord,
         manifest: Manifest,
         index_size: int,
-        pinned: bool,
     ) -> None:
         digest = str(record.digest)
         known = select(packages.c.digest).where(packages.c.digest == digest)
@@ -139,6 +137,7 @@ class Registry:
             connection.execute(insert(packages), package)
             rows = [{"package": digest, "blob": b, "size": n} for b, n in blobs.items()]
             connection.execute(insert(package_blobs), rows)
+        pinned = record.digest in refs.pins_of(self.store, record.name, bad=[])  # verify names them
         publication = {
             "name": record.name,
             "digest": digest,
@@ -403,8 +402,7 @@ class Registry:
                 connection.execute(delete(table))
             for record in records:
                 manifest, size = manifests[record.digest], sizes[record.digest]
-                pinned = (record.name, record.digest) in found.pins
-                self._index_package(connection, record, manifest, size, pinned)
+                self._index_package(connection, record, manifest, size)
             if tag_rows:
                 connection.execute(insert(tags), tag_rows)
             return len(records)
