@@ -38,6 +38,7 @@ from flare.config import (
     record_signing_key,
 )
 from flare.registry.database import UnusableIndexError
+from flare.registry.refs import BadRef, BadRefError
 from flare.registry.registry import Registry, default_database
 from flare.sign import policy as trust
 from flare.sign.errors import UntrustedError
@@ -1215,7 +1216,8 @@ def _verify_target(blobs: BlobStore, text: str) -> Digest:
     return Digest.parse(text) if len(text.removeprefix("blake3:")) == 64 else blobs.resolve(text)
 
 
-def _print_verify(report: VerifyReport, restore_command: str) -> None:
+def _print_verify(report: VerifyReport, restore_command: str, ok: bool = True) -> None:
+    """The report's lines, then `ok`, or `FAILED` if the report (or the caller: `ok`) says so."""
     for key in report.restored:
         out.print(f"restored: {key} (it hashes right again)")
     out.print(f"checked {report.checked} blobs ({decimal(report.checked_bytes)})")
@@ -1230,7 +1232,7 @@ def _print_verify(report: VerifyReport, restore_command: str) -> None:
         out.print(f"missing: {digest}")
     for key in report.stray:
         out.print(f"not a blob name (left in place): {key}")
-    out.print("ok" if report.ok else "FAILED")
+    out.print("ok" if report.ok and ok else "FAILED")
 
 
 # -- flare registry ---------------------------------------------------------------------------
@@ -1365,9 +1367,25 @@ def registry_du(registry: RegistryOption = None, as_json: JsonOption = False) ->
 
 @registry_app.command("reindex")
 def registry_reindex(registry: RegistryOption = None, as_json: JsonOption = False) -> None:
-    """Rebuild the index DB from the store (after a corrupt or lost DB)."""
-    count = open_registry(registry, set_aside_corrupt=True).reindex()
-    _done(as_json, {"packages": count}, f"indexed {count} package records")
+    """Rebuild the index DB from the store (after a corrupt or lost DB). Exit 14 if bad ref
+    files were left out."""
+    report = open_registry(registry, set_aside_corrupt=True).reindex()
+    if as_json:
+        print_json({"packages": report.packages, "bad_refs": _bad_ref_fields(report.bad)})
+    else:
+        out.print(f"indexed {report.packages} package records")
+        _print_bad_refs(report.bad, "left out: ")
+    if report.bad:
+        raise typer.Exit(BadRefError.exit_code)
+
+
+def _bad_ref_fields(bad: list[BadRef]) -> list[dict[str, str]]:
+    return [{"file": ref.key, "problem": ref.problem} for ref in bad]
+
+
+def _print_bad_refs(bad: list[BadRef], prefix: str = "") -> None:
+    for ref in bad:
+        out.print(f"{prefix}bad ref file {ref}", markup=False)
 
 
 @registry_app.command("migrate")
@@ -1415,7 +1433,8 @@ def registry_verify(
     registry: RegistryOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Re-hash packages' blobs in parallel. Exit 6 if corrupt, else 3 if missing, else 11.
+    """Re-hash packages' blobs in parallel; check every ref file. Exit 6 if a blob is corrupt,
+    else 14 if a ref file is bad, else 3 if a blob is missing, else 11.
 
     11: with --signatures, a package is unsigned or signed by no trusted publisher."""
     target = open_registry(registry)
@@ -1424,11 +1443,18 @@ def registry_verify(
         for refusal in refused:
             out.print(f"untrusted: {refusal}", markup=False)
     report = target.verify(ref, workers, dry_run=dry_run, restore=restore)
+    bad = [] if ref else target.bad_refs()
     if as_json:
-        ok = report.ok and not refused
-        print_json({**_report_fields(report), "untrusted": refused, "ok": ok})
+        ok = report.ok and not refused and not bad
+        fields = {**_report_fields(report), "bad_refs": _bad_ref_fields(bad)}
+        print_json({**fields, "untrusted": refused, "ok": ok})
     else:
-        _print_verify(report, "flare registry verify --restore")
+        _print_bad_refs(bad)
+        _print_verify(report, "flare registry verify --restore", ok=not bad)
+    if report.corrupt:
+        raise typer.Exit(IntegrityError.exit_code)
+    if bad:
+        raise typer.Exit(BadRefError.exit_code)
     _exit_for(report)
     if refused:
         raise typer.Exit(UntrustedError.exit_code)
@@ -1439,8 +1465,8 @@ def _refused_packages(registry: Registry, ref: str | None) -> list[str]:
     policy = trust.load_policy(load_config())
     refused = []
     for digest in registry.packages(ref):
-        if not registry.store.has(digest):
-            continue  # reported missing by the blob check
+        if not (registry.store.has(digest) and registry.holds_index(digest)):
+            continue  # reported missing, or as a bad ref file
         manifest = registry.manifest(digest.hex)[2]
         verdict = _verdict(registry, digest, manifest, policy, None)
         if isinstance(verdict, UntrustedError):

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flare.build.faults import crash_point
 from flare.build.journal import Journal
 from flare.build.payloads import payload_key, payload_stream, store_payload
 from flare.build.pipeline import PhaseReport
@@ -28,6 +27,7 @@ from flare.build.ranks import TAG_DOWN, TAG_UP, TOKEN_DIR
 from flare.build.rendezvous import Rendezvous
 from flare.build.sources import Source, resolve_source
 from flare.build.statcache import StatCache, digest_files
+from flare.faults import crash_point
 from flare.registry.leases import Lease, add_to_lease, hold_lease
 from flare.store.blobs import BlobStore, PutResult
 from flare.store.digest import Digest

@@ -22,7 +22,6 @@ from flare.build.checkpoint import (
     read_tensors,
     weight_files,
 )
-from flare.build.faults import crash_point
 from flare.build.journal import Journal, inputs_digest
 from flare.build.payloads import payload_key, planned_size, store_payload
 from flare.build.plan import PAYLOAD_BYTES, PlannedPayload, plan_payloads
@@ -32,6 +31,7 @@ from flare.build.recipes.base import Recipe, check_tensors
 from flare.build.rendezvous import Rendezvous
 from flare.build.sources import Source, resolve_source
 from flare.build.statcache import StatCache, digest_files
+from flare.faults import crash_point
 from flare.model_sizes import check_sizes
 from flare.registry.leases import Lease, add_to_lease, hold_lease, outlast_caches
 from flare.registry.registry import Registry

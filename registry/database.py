@@ -27,6 +27,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError
 
+from flare.faults import crash_point
 from flare.registry.models import metadata
 from flare.store.backends.filesystems import on_network_filesystem
 from flare.store.errors import FlareError
@@ -36,6 +37,8 @@ BUSY_TIMEOUT_MS = 30_000
 WRITE_RETRIES = 8
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 MIGRATION_LOCK_KEY = 0x666C617265  # "flare": the PostgreSQL advisory lock for migrations
+WRITING = "flare_writing"
+"""The execution option that marks a write transaction (SQLite begins it IMMEDIATE)."""
 SCHEMA_HEAD = "0002"
 """The newest revision in migrations/versions (a test keeps the two equal). An index already
 at it opens without loading alembic, which keeps every command's start-up short."""
@@ -90,10 +93,18 @@ VERSION_TABLE = Table(
 
 
 def _create(connection: Connection) -> str:
-    """A new, empty index DB: the head schema from the models, stamped at head (alembic's
-    advice for new databases). The same tables as replaying every revision (a test compares
-    them), without loading alembic: a lab's first command on a new registry starts faster."""
+    """A new index DB: the head schema from the models, stamped at head (alembic's advice for
+    new databases), in the caller's one transaction, so a kill leaves the DB as it was. The
+    same tables as replaying every revision (a test compares them), without loading alembic: a
+    lab's first command on a new registry starts faster.
+
+    Any flare tables already there are dropped first: a DB without a version row is one whose
+    creation was killed before the stamp (older flares created outside the transaction), and an
+    index DB holds nothing the store cannot give again (`flare registry reindex`)."""
+    VERSION_TABLE.drop(connection, checkfirst=True)
+    metadata.drop_all(connection, checkfirst=True)
     metadata.create_all(connection)
+    crash_point("index:stamp")
     VERSION_TABLE.create(connection)
     connection.execute(VERSION_TABLE.insert().values(version_num=SCHEMA_HEAD))
     return SCHEMA_HEAD
@@ -124,6 +135,7 @@ class IndexDB:
 
         @event.listens_for(self.engine, "connect")
         def _pragmas(connection, _record) -> None:  # type: ignore[no-untyped-def]
+            connection.isolation_level = None  # pysqlite begins nothing: _begin does
             cursor = connection.cursor()
             cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             _set_journal_mode(cursor, journal)
@@ -133,6 +145,18 @@ class IndexDB:
             cursor.execute("PRAGMA foreign_keys = ON")
             cursor.close()
 
+        @event.listens_for(self.engine, "begin")
+        def _begin(connection: Connection) -> None:
+            """Every SQLAlchemy transaction is one SQLite transaction, DDL included. pysqlite's
+            legacy mode (its default up to Python 3.15) begins one only before INSERT, UPDATE
+            or DELETE, so CREATE TABLE ran outside any and committed at once: a kill between
+            creating the tables and stamping them left a DB no command could open. SQLAlchemy's
+            SQLite docs ("Transactions with SQLite and the sqlite3 driver") give this recipe.
+            A write begins IMMEDIATE: it takes the write lock up front, waiting busy_timeout,
+            rather than fail later upgrading a read lock that another writer overtook."""
+            writing = connection.get_execution_options().get(WRITING, False)
+            connection.exec_driver_sql("BEGIN IMMEDIATE" if writing else "BEGIN")
+
     # -- schema -----------------------------------------------------------------------------
 
     def migrate(self) -> str:
@@ -141,22 +165,24 @@ class IndexDB:
             with self.engine.connect() as connection:
                 if self._current(connection) == SCHEMA_HEAD:
                     return SCHEMA_HEAD
-            with self._migration_lock(), self.engine.begin() as connection:
+            with self._migration_lock(), self._writing() as connection:
                 return self._upgrade(connection)
         except DatabaseError as exc:
             raise (self._corrupt(exc) if self._is_corrupt(exc) else self._unreachable(exc)) from exc
 
     def _upgrade(self, connection) -> str:  # type: ignore[no-untyped-def]
-        if not inspect(connection).get_table_names():
+        current = self._current(connection)
+        if current is None:
             return _create(connection)
+        if current == SCHEMA_HEAD:
+            return current  # another host upgraded it while this one waited for the lock
         from alembic import command
         from alembic.script import ScriptDirectory
 
         config = alembic_config()
         config.attributes["connection"] = connection
         scripts = ScriptDirectory.from_config(config)
-        current = self._current(connection)
-        if current is not None and current not in {s.revision for s in scripts.walk_revisions()}:
+        if current not in {s.revision for s in scripts.walk_revisions()}:
             raise UnusableIndexError(
                 f"the index DB {self._where()} has schema {current}, newer than this flare",
                 "upgrade flare on this host",
@@ -203,7 +229,7 @@ class IndexDB:
         """Run a change in one transaction, retried while another writer holds the lock."""
         for attempt in range(WRITE_RETRIES):
             try:
-                with self.engine.begin() as connection:
+                with self._writing() as connection:
                     return action(connection)
             except DatabaseError as exc:
                 if self._is_corrupt(exc):
@@ -212,6 +238,14 @@ class IndexDB:
                     raise
                 time.sleep(0.05 * 2**attempt)
         raise AssertionError("unreachable")
+
+    @contextmanager
+    def _writing(self) -> Iterator[Connection]:
+        """A connection in one write transaction, committed at the end of the block."""
+        with self.engine.connect() as connection:
+            connection.execution_options(**{WRITING: True})
+            with connection.begin():
+                yield connection
 
     def _is_corrupt(self, exc: Exception) -> bool:
         message = str(exc).lower()

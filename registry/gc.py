@@ -1,25 +1,34 @@
 """Garbage collection: keep what pins, tags and live leases reach; sweep the rest.
 
 Mark: roots are every tag and pin in the store's ref files and every package a live lease
-names; each root keeps its index and every blob its manifest names. Sweep: a blob nobody
-reaches is deleted only if it was not touched within the grace period, nor since the start
-of a live build lease, checked again just before it goes; roots are read again every
-REREAD_ROOTS_S of the sweep. Deleting one blob file is atomic, so a collector killed at any
-point leaves a store whose every remaining blob is intact; the next one forgets the records of
-packages it had swept. Signatures of a package go with its index: once the index is swept,
-its `signatures/<hex>/` files and its `marks/<hex>` file are removed too (registry/marks.py).
+names; each root keeps its index and every blob its manifest names. A bad ref file stops the
+collection before it deletes anything: what the file was meant to name could be swept.
+Forget: name records of the packages the sweep will delete (unrooted, index old enough) go
+first, index DB rows then ref files, so a package a reader finds recorded is never half swept.
+Sweep: a blob nobody reaches is deleted only if it was not touched within the grace period, nor
+since the start of a live build lease, checked again just before it goes; roots are read again
+every REREAD_ROOTS_S of the sweep. Deleting one blob file is atomic, so a collector killed at
+any point leaves a store whose every remaining blob is intact. Then index DB rows of packages
+whose index is gone are dropped (a collector of an older flare, killed between removing a
+record's file and its rows, left them listed), and the signatures and marks files of swept
+packages are removed (registry/marks.py). docs/package-format.md ("Garbage collection") says
+what a reader sees at each step.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from flare.faults import crash_point
 from flare.registry import journal, marks, refs, signatures
 from flare.registry.leases import drop_expired_leases, live_leases
 from flare.registry.marks import Marked
+from flare.registry.refs import BadRef, RefScan
 from flare.registry.registry import Registry
+from flare.store.blobs import blob_key
 from flare.store.digest import Digest
+from flare.store.safetensors import FormatError
 from flare.store.sweep import unmarked
 
 REREAD_ROOTS_S = 0.2
@@ -36,7 +45,7 @@ class GcReport:
     deleted: list[str] = field(default_factory=list)
     freed_bytes: int = 0
     forgotten: list[str] = field(default_factory=list)
-    """NAME@DIGEST records dropped because their package was swept."""
+    """NAME@DIGEST records dropped because the sweep deletes (or deleted) their package."""
     temp_files: list[str] = field(default_factory=list)
     signatures: list[str] = field(default_factory=list)
     """Signature files of swept packages, removed."""
@@ -54,6 +63,8 @@ class Roots:
     """Single blobs live leases hold, as hex digests."""
     build_start: float | None
     """The earliest start of a live build lease: blobs touched since then stay."""
+    refs: RefScan
+    """The ref files the roots were read from (every one good)."""
 
     def old_before(self, grace_cutoff: float) -> float:
         """The time a blob must be untouched since to go: the grace period's start, or the
@@ -61,38 +72,59 @@ class Roots:
         return grace_cutoff if self.build_start is None else min(grace_cutoff, self.build_start)
 
 
-def roots(registry: Registry) -> Roots:
-    """The roots as they are now."""
+REFUSED = (
+    "gc deletes nothing while a ref file is bad (what it was meant to name could be swept): "
+    f"{refs.FIX}; then run gc again"
+)
+
+
+def roots(registry: Registry, records: bool = False, hint: str = REFUSED) -> Roots:
+    """The roots as they are now (with `records`, the name records read too); refused, with
+    the hint, if any ref file is bad."""
     store = registry.store
-    packages: set[Digest] = set()
-    for name in refs.names(store):
-        packages.update(refs.tags_of(store, name).values())
-        packages.update(refs.pins_of(store, name))
+    found = refs.scan(store, records)
+    if found.bad:
+        raise refs.refusal(store, found.bad, hint)
     margin = registry.gc_margin_s  # clocks apart, caches late: see Registry.gc_margin_s
     leases = live_leases(store, slack_s=margin)
-    packages.update(Digest.parse(d) for lease in leases for d in lease.packages)
+    packages = found.roots() | {Digest.parse(d) for lease in leases for d in lease.packages}
     blobs = {Digest.parse(d).hex for lease in leases for d in lease.blobs}
     starts = [lease.since - margin for lease in leases if lease.since is not None]
-    return Roots(packages, blobs, min(starts) if starts else None)
+    return Roots(packages, blobs, min(starts) if starts else None, found)
 
 
-def mark(registry: Registry, packages: set[Digest], keep: bool) -> list[bytes]:
-    """Every blob the packages need, indexes included (missing packages mark nothing), as the
-    sorted lines of their marks files or of their verified indexes; `keep` writes the marks
+def mark(registry: Registry, found: Roots, keep: bool) -> list[bytes]:
+    """Every blob the root packages need, indexes included (missing packages mark nothing), as
+    the sorted lines of their marks files or of their verified indexes; `keep` writes the marks
     files that were missing."""
     store = registry.store
-    return [marks.package_blobs(store, d, keep) for d in packages if store.has(d)]
+    return [_package_marks(registry, found, d, keep) for d in found.packages if store.has(d)]
+
+
+def _package_marks(registry: Registry, found: Roots, digest: Digest, keep: bool) -> bytes:
+    """One root's marks; a ref file naming a blob that is no package index is refused."""
+    try:
+        return marks.package_blobs(registry.store, digest, keep)
+    except FormatError:
+        key = next((k for k, d in found.refs.files() if d == digest), None)
+        if key is None or refs.is_package_index(registry.store, digest):
+            raise  # a lease's package, or an index this flare cannot read: as it says
+        bad = BadRef(key, f"names {digest}, which is not a package index")
+        raise refs.refusal(registry.store, [bad], REFUSED) from None
 
 
 def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcReport:
-    """Mark from the roots, then sweep unreachable blobs older than the grace period."""
+    """Mark from the roots, forget the packages the sweep will delete, then sweep unreachable
+    blobs older than the grace period."""
     started = time.time() - registry.gc_margin_s  # grace counts from here
     report = GcReport(dry_run=dry_run)
-    found = roots(registry)
-    marked = Marked(mark(registry, found.packages, keep=not dry_run), found.blobs)
+    found = roots(registry, records=True, hint=refs.FIX if dry_run else REFUSED)
+    marked = Marked(mark(registry, found, keep=not dry_run), found.blobs)
     since: set[str] = set()  # reached by roots that came during the sweep
     old_before = found.old_before(started - grace_s)
-    checked_at = time.monotonic()
+    checked_at = time.monotonic()  # the roots are read again once forgetting took that long
+    if not dry_run:
+        report.forgotten = _forget_doomed(registry, found, old_before)
     for share in unmarked(registry.store, marked.in_folder):
         report.marked += share.marked
         for hex_digest, key, size, modified in share.unmarked:
@@ -113,9 +145,10 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
             report.freed_bytes += size
             if not dry_run:
                 registry.store.backend.remove(key)
+                crash_point("gc:sweep")
     report.roots = len(found.packages)
     if not dry_run:
-        report.forgotten = _forget_swept(registry, set(report.deleted))
+        report.forgotten += registry.drop_rows_of_gone_packages(keep=found.packages)
         report.signatures = signatures.drop_orphans(registry.store)
         report.marks = marks.drop_orphans(registry.store)
         report.temp_files = registry.store.sweep_temps()
@@ -124,25 +157,32 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     return report
 
 
+def _forget_doomed(registry: Registry, found: Roots, old_before: float) -> list[str]:
+    """Forget the name records of the packages the sweep will delete: unrooted, with an index
+    untouched since `old_before`, or already gone. Before the sweep, so that a package still
+    recorded is one the sweep leaves whole, however the collector ends. A record whose name
+    tagged or pinned the package since the refs were read stays (its blobs are kept too: the
+    sweep reads the roots again)."""
+    store, forgotten = registry.store, []
+    for record in found.refs.records:
+        digest = record.digest
+        if digest in found.packages or digest.hex in found.blobs:
+            continue
+        info = store.locate(digest)
+        stat = None if info is None else store.backend.stat(blob_key(digest, info.encoding))
+        doomed = stat is None or stat[1] < old_before
+        if doomed and registry.forget_untagged(record.name, digest):
+            forgotten.append(f"{record.name}@{digest}")
+    return forgotten
+
+
 def _reread(registry: Registry, found: Roots, since: set[str], keep: bool) -> Roots:
     """Roots added since the mark (a new tag, a new lease) protect their blobs too: they join
     `since`. The result holds every root seen so far."""
     fresh = roots(registry)
-    for body in mark(registry, fresh.packages - found.packages, keep):
+    added = replace(fresh, packages=fresh.packages - found.packages)
+    for body in mark(registry, added, keep):
         since.update(body.decode("ascii").split())
     since.update(fresh.blobs)
-    return Roots(found.packages | fresh.packages, found.blobs | fresh.blobs, fresh.build_start)
-
-
-def _forget_swept(registry: Registry, deleted: set[str]) -> list[str]:
-    """Drop name records (and index rows) of untagged, unpinned packages whose index is gone:
-    swept now, or by an earlier collector killed before it could forget them."""
-    store, forgotten = registry.store, []
-    for name in refs.names(store):
-        kept = set(refs.tags_of(store, name).values()) | set(refs.pins_of(store, name))
-        for digest in refs.packages_of(store, name):
-            gone = str(digest) in deleted or not store.has(digest)
-            if gone and digest not in kept:
-                registry.forget(name, digest)
-                forgotten.append(f"{name}@{digest}")
-    return forgotten
+    packages, blobs = found.packages | fresh.packages, found.blobs | fresh.blobs
+    return replace(found, packages=packages, blobs=blobs, build_start=fresh.build_start)

@@ -147,7 +147,7 @@ def _rebuild(registry: Registry, listed: list[str], now: float, window_s: float)
     applied once more a cache window from now, in case a listing was stale)."""
     store = registry.store
     indexed = set(registry.db.read(_indexed_names))
-    for name in sorted(set(refs.names(store)) | indexed):
+    for name in sorted(set(refs.names(store, [])) | indexed):
         refresh_name(registry, name, None)
     registry.db.write(_forget_seen)
     registry.db.write(lambda c: _mark_seen(c, listed, now, settled=window_s <= 0))
@@ -219,12 +219,12 @@ def refresh_name(registry: Registry, name: str, digests: set[Digest | None] | No
     A package whose index cannot be read yet is left as it is, for a later pass to index."""
     store = registry.store
     tag_rows = [
-        {"name": name, "tag": t, "digest": str(d)} for t, d in refs.tags_of(store, name).items()
+        {"name": name, "tag": t, "digest": str(d)} for t, d in refs.tags_of(store, name, []).items()
     ]
-    pins = set(refs.pins_of(store, name))
+    pins = set(refs.pins_of(store, name, []))
     if digests is None:
         indexed = registry.db.read(lambda c: _indexed_digests(c, name))
-        wanted = set(refs.packages_of(store, name)) | indexed
+        wanted = set(refs.packages_of(store, name, [])) | indexed
     else:
         wanted = {d for d in digests if d is not None}
     records: dict[Digest, _Found | None] = {}

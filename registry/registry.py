@@ -8,20 +8,24 @@ any time.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, Select, Table, delete, func, insert, select, update
 
+from flare.faults import crash_point
 from flare.registry import journal, localindex, marks, refs, signatures
 from flare.registry.database import IndexDB
 from flare.registry.models import package_blobs, packages, publications, tags
+from flare.registry.refs import BadRef
 from flare.sign.errors import UntrustedError
 from flare.store.backends.filesystems import cache_window_s, filesystem_type, on_network_filesystem
 from flare.store.blobs import BlobStore, VerifyReport
 from flare.store.digest import Digest
 from flare.store.encoding import Encoding
-from flare.store.errors import FlareError, InvalidInputError, NotFoundError
+from flare.store.errors import FlareError, IntegrityError, InvalidInputError, NotFoundError
+from flare.store.safetensors import FormatError
 
 if TYPE_CHECKING:
     from flare.store.package import Manifest
@@ -53,6 +57,14 @@ class Listing:
     pinned: bool
     created: str
     publisher: str | None
+
+
+@dataclass
+class ReindexReport:
+    """What `reindex` indexed, and the bad ref files it left out."""
+
+    packages: int
+    bad: list[BadRef]
 
 
 def default_database(location: str, home: Path) -> str:
@@ -155,7 +167,7 @@ class Registry:
             connection.execute(insert(packages), package)
             rows = [{"package": digest, "blob": b, "size": n} for b, n in blobs.items()]
             connection.execute(insert(package_blobs), rows)
-        pinned = record.digest in refs.pins_of(self.store, record.name)
+        pinned = record.digest in refs.pins_of(self.store, record.name, bad=[])  # verify names them
         publication = {
             "name": record.name,
             "digest": digest,
@@ -233,11 +245,29 @@ class Registry:
         return name, digest, self.forget(name, digest)
 
     def forget(self, name: str, digest: Digest) -> list[str]:
-        """Drop NAME's record of a package and its tags, in the store and the index."""
-        dropped_tags = refs.forget_package(self.store, name, digest)
-        journal.record_change(self.store, name, digest)
-        self.db.write(lambda c: self._forget(c, name, digest))
+        """Drop NAME's record of a package and its tags: the index DB's rows first, then the
+        ref files, so that a kill between leaves the index naming nothing the store lacks (the
+        record stays in the store: forgetting it again, or gc, finishes the job)."""
+        dropped_tags = refs.tags_at(self.store, name, digest)
+        self._forget_record(name, digest, dropped_tags)
         return dropped_tags
+
+    def forget_untagged(self, name: str, digest: Digest) -> bool:
+        """Forget NAME's record of a package that no tag or pin of NAME names (for gc), as
+        `forget` does; nothing if one does now (a tag made since gc read the refs), and never
+        a tag. Returns whether it forgot."""
+        pinned = digest in refs.pins_of(self.store, name)
+        if pinned or refs.tags_at(self.store, name, digest):
+            return False
+        self._forget_record(name, digest, [])
+        return True
+
+    def _forget_record(self, name: str, digest: Digest, tags: list[str]) -> None:
+        """Rows, then ref files, then the journal entry that tells other hosts' indexes."""
+        self.db.write(lambda c: self._forget(c, name, digest))
+        crash_point("forget:refs")
+        refs.forget_package(self.store, name, digest, tags)
+        journal.record_change(self.store, name, digest)
 
     def _forget(self, connection: Connection, name: str, digest: Digest) -> None:
         key = str(digest)
@@ -250,15 +280,43 @@ class Registry:
             connection.execute(delete(package_blobs).where(package_blobs.c.package == key))
             connection.execute(delete(packages).where(packages.c.digest == key))
 
+    def drop_rows_of_gone_packages(self, keep: set[Digest]) -> list[str]:
+        """Drop the index DB rows of packages whose index is gone from the store, unless `keep`
+        holds them (a tag or pin still names them: verify reports them missing). Such rows are
+        what an older flare's gc, killed between removing a record's file and its rows, left
+        listed. Returns the NAME@DIGEST of each publication dropped."""
+        listed = self.db.read(lambda c: list(c.scalars(select(packages.c.digest))))
+        by_hex = {Digest.parse(d).hex: d for d in listed}
+        gone = [by_hex[h] for h in self.store.absent(by_hex) if Digest(h) not in keep]
+        dropped = []
+        for digest in gone:
+            names = self.db.write(partial(self._drop, digest=digest))
+            dropped += [f"{name}@{digest}" for name in names]
+        return dropped
+
+    def _drop(self, connection: Connection, digest: str) -> list[str]:
+        """Every row of one package: its publications, tags and blobs. Returns its names."""
+        named = select(publications.c.name).where(publications.c.digest == digest)
+        names = list(connection.scalars(named))
+        for name in names:
+            self._forget(connection, name, Digest.parse(digest))
+        if not names:  # a package row no name publishes: only its own rows go
+            connection.execute(delete(package_blobs).where(package_blobs.c.package == digest))
+            connection.execute(delete(packages).where(packages.c.digest == digest))
+        return names
+
     # -- reading ----------------------------------------------------------------------------
 
     def resolve(self, ref: str) -> tuple[str | None, Digest]:
         """NAME[:TAG][@DIGEST] or a digest prefix, resolved against the store's refs."""
-        name, digest = refs.resolve_package(self.store, ref)
+        name, digest, key = refs.resolve_package(self.store, ref)
         if not self.store.has(digest):
             raise NotFoundError(
                 f"package {digest} is not in {self.location}", "check the reference"
             )
+        if key is not None and not refs.is_package_index(self.store, digest):
+            not_index = BadRef(key, f"names {digest}, which is not a package index")
+            raise refs.refusal(self.store, [not_index])
         return name, digest
 
     def _named(self, ref: str) -> tuple[str, Digest]:
@@ -295,40 +353,91 @@ class Registry:
         dry_run: bool = False,
         restore: bool = False,
     ) -> VerifyReport:
-        """Re-hash the index and blobs of one package (or every package) in parallel; with
-        `restore`, put back quarantined blobs that hash right first (BlobStore.verify)."""
+        """Re-hash the index and blobs of one package (or of every package recorded under a
+        name) in parallel; with `restore`, put back quarantined blobs that hash right first
+        (BlobStore.verify). A blob is reported missing only if a package still recorded at the
+        end needs it: gc forgets a package before it deletes its blobs, so the blobs of one it
+        collected meanwhile are not missing from any package."""
         restored = self.store.restore() if restore and not dry_run else []
-        wanted: set[Digest] = set()
-        for digest in self.packages(ref):
-            wanted.add(digest)
-            if self.store.has(digest):
-                wanted.update(refs.read_manifest(self.store, digest).blobs())
+        needs = {digest: self._needs(digest) for digest in self.packages(ref)}
+        wanted = set(needs).union(*needs.values())
         report = self.store.verify(sorted(wanted), workers=workers, dry_run=dry_run)
         report.restored = restored
+        if report.missing and ref is None:
+            recorded = set(self.packages()) & set(needs)
+            still = recorded.union(*(needs[digest] for digest in recorded))
+            report.missing = [digest for digest in report.missing if digest in still]
         return report
 
+    def _needs(self, digest: Digest) -> set[Digest]:
+        """The blobs a package's index names: none if its index is missing (reported missing),
+        corrupt (the hashing finds it) or no package index at all (a bad ref, which
+        `bad_refs` names)."""
+        if not self.store.has(digest):
+            return set()
+        try:
+            return set(refs.read_manifest(self.store, digest).blobs())
+        except FormatError:
+            if refs.is_package_index(self.store, digest):
+                raise  # an index this flare cannot read: the error says why
+            return set()
+        except IntegrityError:
+            return set()
+
     def packages(self, ref: str | None = None) -> list[Digest]:
-        """The package REF names, or every package recorded under a name."""
+        """The package REF names, or every package recorded under a name (bad ref files left
+        out: `bad_refs` names them)."""
         if ref:
             return [self.resolve(ref)[1]]
-        return sorted({d for n in refs.names(self.store) for d in refs.packages_of(self.store, n)})
+        store = self.store
+        return sorted({d for n in refs.names(store, []) for d in refs.packages_of(store, n, [])})
+
+    def bad_refs(self) -> list[BadRef]:
+        """Every bad ref file: unreadable as what its path says, or naming a stored blob that
+        is no package index (a missing one is verify's to report)."""
+        found = refs.scan(self.store)
+        bad = list(found.bad)
+        is_index: dict[Digest, bool] = {}
+        for key, digest in found.files():
+            if digest not in is_index:
+                is_index[digest] = not self.store.has(digest) or self.holds_index(digest)
+            if not is_index[digest]:
+                bad.append(BadRef(key, f"names {digest}, which is not a package index"))
+        return sorted(bad, key=lambda ref: ref.key)
+
+    def holds_index(self, digest: Digest) -> bool:
+        """Whether the stored blob is a package index (a corrupt blob counts: verify finds it)."""
+        try:
+            return refs.is_package_index(self.store, digest)
+        except IntegrityError:
+            return True  # a corrupt blob, which verify finds and quarantines
 
     # -- rebuilding the index ---------------------------------------------------------------
 
-    def reindex(self) -> int:
-        """Rebuild the index DB from the store's ref files, package indexes and signatures."""
+    def reindex(self) -> ReindexReport:
+        """Rebuild the index DB from the store's ref files, package indexes and signatures;
+        bad ref files (and what only they name) are left out and reported."""
+        found = refs.scan(self.store)
+        stored = {record.digest for record in found.records}  # a missing one raises
+        stored |= {digest for _, digest in found.files() if self.store.has(digest)}
+        read = {digest: self._manifest_if_index(digest) for digest in stored}
+        manifests = {d: manifest for d, manifest in read.items() if manifest is not None}
+        not_index = set(read) - set(manifests)
+        bad = found.bad + [
+            BadRef(key, f"names {digest}, which is not a package index")
+            for key, digest in found.files()
+            if digest in not_index
+        ]
         records = [
             replace(record, publisher=self.publisher(record.digest))
-            for n in refs.names(self.store)
-            for d in refs.packages_of(self.store, n)
-            if (record := refs.read_record(self.store, n, d)) is not None
+            for record in found.records
+            if record.digest in manifests
         ]
-        manifests = {r.digest: refs.read_manifest(self.store, r.digest) for r in records}
-        sizes = {d: self.store.require(d).stored_size for d in manifests}
+        sizes = {r.digest: self.store.require(r.digest).stored_size for r in records}
         tag_rows = [
-            {"name": n, "tag": t, "digest": str(d)}
-            for n in refs.names(self.store)
-            for t, d in refs.tags_of(self.store, n).items()
+            {"name": name, "tag": tag, "digest": str(digest)}
+            for (name, tag), digest in found.tags.items()
+            if digest not in not_index
         ]
 
         def rebuild(connection: Connection) -> int:
@@ -341,7 +450,17 @@ class Registry:
                 connection.execute(insert(tags), tag_rows)
             return len(records)
 
-        return self.db.write(rebuild)
+        return ReindexReport(self.db.write(rebuild), sorted(bad, key=lambda ref: ref.key))
+
+    def _manifest_if_index(self, digest: Digest) -> Manifest | None:
+        """The package's manifest, or None if the blob is no package index; a missing index
+        raises NotFoundError (the record needs its package)."""
+        try:
+            return refs.read_manifest(self.store, digest)
+        except FormatError:
+            if refs.is_package_index(self.store, digest):
+                raise
+            return None
 
 
 def _put(connection: Connection, table: Table, row: dict[str, object]) -> None:

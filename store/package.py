@@ -21,6 +21,7 @@ from flare.store.errors import InvalidInputError
 from flare.store.names import check_name
 from flare.store.safetensors import (
     DTYPE_SIZES,
+    MANIFEST_KEY,
     FormatError,
     Header,
     encode_header,
@@ -31,7 +32,6 @@ from flare.store.safetensors import (
 FORMAT_VERSION = 1
 RUNTIME_ABI = 1
 """Bumped whenever the runtime's reading of payloads or artifacts changes incompatibly."""
-MANIFEST_KEY = "flare.manifest"
 
 
 def check_relative_path(path: str) -> str:

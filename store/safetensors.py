@@ -17,6 +17,9 @@ from typing import BinaryIO
 from flare.store.errors import IntegrityError
 
 MAX_HEADER = 100 << 20
+MANIFEST_KEY = "flare.manifest"
+"""The one metadata key of a package index (store/package.py): here, so that telling an index
+from another blob by its header needs no pydantic."""
 """Largest header accepted: safetensors' own limit, so a lying length cannot exhaust memory."""
 
 DTYPE_SIZES = {

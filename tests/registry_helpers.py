@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,6 +51,41 @@ def database(backend: str, folder: Path) -> Iterator[str]:
         with admin.connect() as connection:
             connection.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
         admin.dispose()
+
+
+@contextmanager
+def lab_env(backend: str, folder: Path) -> Iterator[dict[str, str]]:
+    """The environment of a lab host: a shared registry folder and a fresh index DB URL."""
+    with database(backend, folder) as url:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+        env |= {
+            "FLARE_HOME": str(folder / "home"),
+            "XDG_CONFIG_HOME": str(folder / "xdg"),
+            "FLARE_REGISTRY": str(folder / "shared"),
+            "FLARE_DATABASE": url,
+        }
+        yield env
+
+
+def flare(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run the flare command to its end; with `check`, it must succeed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "flare", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    if check:
+        assert done.returncode == 0, (args, done.stderr)
+    return done
+
+
+def start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    """Start the flare command and return at once (to kill it, or to run beside it)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "flare", *args],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def tiny_source(root: Path, seed: int) -> Path:

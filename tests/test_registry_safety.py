@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from registry_helpers import BACKENDS, database, tiny_sources
+from registry_helpers import BACKENDS, flare, lab_env, start, tiny_sources
 
 from flare.build.tiny import make_synthetic_llama
 from flare.registry.registry import Registry
@@ -32,34 +32,8 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(params=BACKENDS)
 def lab(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
     """The environment of a lab host: a shared registry folder and the index DB URL."""
-    with database(request.param, tmp_path) as url:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
-        env |= {
-            "FLARE_HOME": str(tmp_path / "home"),
-            "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
-            "FLARE_REGISTRY": str(tmp_path / "shared"),
-            "FLARE_DATABASE": url,
-        }
+    with lab_env(request.param, tmp_path) as env:
         yield env
-
-
-def flare(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "flare", *args], env=env, capture_output=True, text=True, timeout=300
-    )
-    if check:
-        assert done.returncode == 0, (args, done.stderr)
-    return done
-
-
-def start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "flare", *args],
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
 
 
 def gc_until(env: dict[str, str], busy: subprocess.Popen[str]) -> int:

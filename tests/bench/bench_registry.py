@@ -364,7 +364,7 @@ def check_ls_registry(registry: Registry, count: int) -> list[str]:
         raise RuntimeError(f"the ls registry's store is not sound: {report}")
     log("reindexing the ls registry from its store")
     started = time.perf_counter()
-    indexed = registry.reindex()
+    indexed = registry.reindex().packages
     reindex_s = time.perf_counter() - started
     after = registry.listings()
     if indexed != count or len(before) != count or before != after:
@@ -632,14 +632,14 @@ def explain_gc(registry: Registry, blobs: Path, find_s: float) -> list[str]:
     log("profiling gc")
     store = registry.store
     found = gc.roots(registry)
-    marked = Marked(gc.mark(registry, found.packages, keep=False), found.blobs)
+    marked = Marked(gc.mark(registry, found, keep=False), found.blobs)
     keys = list(store.backend.iter_names(BLOB_DIR))
     candidates = [c for share in unmarked(store, marked.in_folder) for c in share.unmarked]
     folders = store.backend.list_dir(BLOB_DIR)
     parts = time_stages(
         [
             ("roots(): refs, tags, pins, leases", lambda: gc.roots(registry)),
-            ("mark(): the roots' marks files", lambda: gc.mark(registry, found.packages, False)),
+            ("mark(): the roots' marks files", lambda: gc.mark(registry, found, False)),
             ("list names under blobs/ (no stat)", lambda: list(store.backend.iter_names(BLOB_DIR))),
             (
                 "sweep: list, drop marked names, stat and parse the rest, all processes",

@@ -2,10 +2,8 @@
 seeds of each, with the same invariant checks; `python tests/bench/soak.py` runs them for
 minutes at random seeds.
 
-Trials that break on main because an item of issue 13 is not fixed yet are marked
-`xfail(strict=True)` with the item: the test asserts that the trial found no violation of that
-item, so the merged fix turns it into an XPASS, which strict makes a failure until the mark is
-removed. A violation that belongs to no item, or a harness error, fails any test outright.
+Each trial of an item of issue 13 asserts that the trial found no violation of that item; a
+violation that belongs to another item, or a harness error, fails it too.
 """
 
 from __future__ import annotations
@@ -31,14 +29,6 @@ def report(outcome: Outcome) -> str:
         lines.append(f"[item {v.item}] {v.what}\n    {v.command}")
     lines.append(f"again: {outcome.violations[0].reproduce()}" if outcome.violations else "")
     return "\n".join(lines)
-
-
-def item(number: int) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"issue 13 item {number}")
-
-
-def new_bug(what: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"no item: {what}")
 
 
 HOLDING = [
@@ -85,20 +75,20 @@ def test_four_hosts_on_postgresql(lab: Lab) -> None:
 
 
 ITEMS = [
-    pytest.param("kill-copy/db:1", 7, marks=item(7)),
-    pytest.param("kill-reindex/db:1", 7, marks=item(7)),
-    pytest.param("kill-gc/forget:1", 8, marks=item(8)),
-    pytest.param("kill-gc/sweep:1", 8, marks=item(8)),
-    pytest.param("corrupt-ref/garbage-tag:1", 9, marks=item(9)),
-    pytest.param("corrupt-ref/payload-tag:1", 9, marks=item(9)),
-    pytest.param("corrupt-ref/bad-name:1", 9, marks=item(9)),
-    pytest.param("serve-cache/flip:1", 4, marks=item(4)),
-    pytest.param("serve-malformed/config-is-payload:1", 5, marks=item(5)),
-    pytest.param("serve-malformed/dtype:1", 5, marks=item(5)),
-    pytest.param("build-link/out:1", 10, marks=item(10)),
+    pytest.param("kill-copy/db:1", 7),
+    pytest.param("kill-reindex/db:1", 7),
+    pytest.param("kill-gc/forget:1", 8),
+    pytest.param("kill-gc/sweep:1", 8),
+    pytest.param("corrupt-ref/garbage-tag:1", 9),
+    pytest.param("corrupt-ref/payload-tag:1", 9),
+    pytest.param("corrupt-ref/bad-name:1", 9),
+    pytest.param("serve-cache/flip:1", 4),
+    pytest.param("serve-malformed/config-is-payload:1", 5),
+    pytest.param("serve-malformed/dtype:1", 5),
+    pytest.param("build-link/out:1", 10),
     pytest.param("build-link/hub:1", 10),
-    pytest.param("build-layers/huge:1", 11, marks=item(11)),
-    pytest.param("build-moved/moved:1", 12, marks=item(12)),
+    pytest.param("build-layers/huge:1", 11),
+    pytest.param("build-moved/moved:1", 12),
 ]
 
 
@@ -112,10 +102,8 @@ def test_issue_13_item(lab: Lab, trial: str, number: int) -> None:
 
 
 def check_item(outcome: Outcome, number: int) -> None:
-    others = [v for v in outcome.violations if v.item != number]
-    if others:
-        raise RuntimeError(report(outcome))  # not the item's: xfail does not cover it
-    assert not outcome.violations, report(outcome)
+    """No violation at all: the item's, another item's, or the harness's."""
+    assert not outcome.violations, f"(trial of item {number}) {report(outcome)}"
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +112,7 @@ def hostile(lab: Lab) -> Outcome:
     return run_trial(lab, "serve-requests/hostile", 1)
 
 
-@pytest.mark.parametrize("number", [pytest.param(n, marks=item(n)) for n in (1, 2, 3, 6)])
+@pytest.mark.parametrize("number", [1, 2, 3, 6])
 def test_hostile_requests(hostile: Outcome, number: int) -> None:
     mine = Outcome(hostile.kind, hostile.seed, notes=hostile.notes)
     mine.violations = [v for v in hostile.violations if v.item in (number, None)]
@@ -132,14 +120,8 @@ def test_hostile_requests(hostile: Outcome, number: int) -> None:
 
 
 NEW = [
-    pytest.param(
-        "corrupt-blob/flip-index:1",
-        marks=new_bug("registry verify stops at a corrupt package index, without its report"),
-    ),
-    pytest.param(
-        "disk-full/registry-small:7",
-        marks=new_bug("a full disk while the index DB is written is an internal error"),
-    ),
+    pytest.param("corrupt-blob/flip-index:1"),
+    pytest.param("disk-full/registry-small:7"),
 ]
 
 

@@ -506,20 +506,20 @@ def corrupt_ref(t: Trial, mode: str) -> None:
     relative = str(path.relative_to(home.registry))
     named = ("refs/BAD..NAME",) if mode == "bad-name" else (relative,)  # the folder will do
     verified = home.run("registry", "verify", "--json")
-    if t.check(verified, ok=tuple(range(2, 13))):
+    if t.check(verified, ok=tuple(range(2, 15))):
         if any(name in verified.out + verified.err for name in named):
             t.caught()
         else:
             t.violate(f"verify does not name the broken ref file {relative}", verified)
     t.check(home.run("registry", "ls"))
-    t.check(home.run("registry", "reindex"), ok=tuple(range(0, 13)))
+    t.check(home.run("registry", "reindex"), ok=tuple(range(0, 15)))
     unaffected = "other:latest"
     t.check(home.run("pull", unaffected, "--device", "cpu"))
     if mode in ("garbage-tag", "payload-tag", "empty-tag"):
         refused = home.run("pull", "tiny", "--device", "cpu")
-        if t.check(refused, ok=tuple(range(2, 13))) and relative not in refused.err:
+        if t.check(refused, ok=tuple(range(2, 15))) and relative not in refused.err:
             t.violate(f"pull of the broken tag does not name {relative}", refused)
-    t.check(home.run("registry", "gc", "--grace", "0"), ok=tuple(range(0, 13)))
+    t.check(home.run("registry", "gc", "--grace", "0"), ok=tuple(range(0, 15)))
     nothing_lost(t, home.registry, before)
     path.unlink()
     if mode == "garbage-record":
@@ -807,7 +807,7 @@ def build_link(t: Trial, mode: str) -> None:
     leaked = checks.blob_path(home.registry, _hex_of(secret.read_bytes())) is not None
     if done.rc == 0 or leaked:
         t.violate(f"a link out of the checkpoint ({link.name} -> {secret}) was published", done)
-    elif t.check(done, ok=tuple(range(2, 13))):
+    elif t.check(done, ok=tuple(range(2, 15))):
         named = str(link.relative_to(source)) in done.err and str(secret) in done.err
         if named:
             t.caught()

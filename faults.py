@@ -1,5 +1,8 @@
-"""Crash points for the resume tests: `FLARE_CRASH_AT=NAME[:N]` kills the process with
-SIGKILL the N-th time (default first) it reaches the point NAME, exactly as a dead host would."""
+"""Crash points for the kill tests: `FLARE_CRASH_AT=NAME[:N]` kills the process with SIGKILL
+the N-th time (default first) it reaches the point NAME, exactly as a dead host would.
+
+A shared module (not build/'s) because builds, the registry's index DB and gc all have points
+where a kill must leave a state the next command can use."""
 
 from __future__ import annotations
 
