@@ -110,15 +110,15 @@ def create_app(
     limits: BodyLimits | None = None,
 ) -> FastAPI:
     """The app for one runtime: health, metrics, models, completions, chat, embeddings, and
-    its OpenAPI document; request bodies are held to `limits` (serve/limits.py), then admitted
-    unless the server drains (`app.state.drain`, serve/drain.py), then handled, any fault
-    answered (serve/errors.py)."""
+    its OpenAPI document. A request's body is held to `limits` (serve/limits.py), then the
+    request is admitted unless the server drains (`app.state.drain`, serve/drain.py), then
+    handled; a fault anywhere in that is answered (serve/errors.py)."""
     app = FastAPI(title="flare", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ready = False
     app.state.drain = Drain()
-    app.add_middleware(AnswerFaults)
     app.add_middleware(AdmitRequests, drain=app.state.drain)
     app.add_middleware(LimitBodies, limits=limits or BodyLimits())
+    app.add_middleware(AnswerFaults)  # the last added is the outermost: it sees every fault
     _add_error_handlers(app)
     routes = _Routes(runtime, package)
     unready = {"model": Health, "description": "starting, or draining after a stop signal"}

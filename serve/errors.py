@@ -7,7 +7,7 @@ message that quotes what the client sent (a lone surrogate, say) can never make 
 itself fail to encode.
 
 An exception that nothing else answered (a fault in the server's own code for one request) is
-caught by `AnswerFaults`, in front of the routes: its traceback is logged once, here, and the
+caught by `AnswerFaults`, around the whole app: its traceback is logged once, here, and the
 client gets a 500 with the same body; uvicorn does not see it, so does not log it again. A
 stream whose 200 has gone out ends with the error as its last event instead (serve/api.py).
 Cancellation (a client gone, a shutdown) is not an exception of this kind and passes through.
@@ -65,7 +65,7 @@ class ApiError(Exception):
 
 
 def internal_error(exc: Exception, where: str) -> ApiError:
-    """A fault of the server's own while answering `where` (a request's method and path):
+    """A fault of the server's own in `where` (a request's method and path, a stream's id):
     logged here with its traceback, once; answered as a 500 naming the exception."""
     problem = " ".join(f"{type(exc).__name__}: {exc}".split())
     log.error("%s failed: %s", where, problem, exc_info=exc)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import signal
 import threading
 import time
@@ -25,15 +26,18 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from checkpoints import make_llama
 from test_api_limits import HealthWatch, assert_error, post
 from test_isolation import Served, ask, serving
 from test_runtime import Package, build_package
 from test_serve import Server, build_home, flare_env
+from tokenizers import Tokenizer
 
 from flare.serve.api import ServedPackage, create_app
 from flare.serve.runtime import EmbedRuntime, load_runtime
 from flare.serve.server import background_server
+from flare.serve.truncation import Truncation
 
 MIB = 1024 * 1024
 MEMORY_SLACK = 64 * MIB
@@ -105,10 +109,35 @@ def test_embeddings_of_inputs_cut_before_tokenizing_are_those_of_the_whole_input
         zip(texts, expected, strict=True)
     )
     theirs = reference.encode(list(texts.values()), convert_to_tensor=True)
-    import torch
-
     similarity = torch.cosine_similarity(torch.tensor(result.vectors), theirs.cpu())
     assert similarity.min().item() >= 0.99999, dict(zip(texts, similarity.tolist(), strict=True))
+
+
+PIECES = [
+    *["a", "x", "é", "e\u0301", "\u0301", "\u0338", "=", "Σ", "İ", "ß", "日", "本", "x" * 120],
+    *[" ", "  ", "\t", "\n", "\u0000", "\u00ad", "\u200b", "\ufffd", ".", ",", "!", "##"],
+    *["[MASK]", "[MAS", "[", "]", "K]", "[CLS]", "telecommunications"],
+]
+"""What random texts are made of: letters, marks a normalizer strips or could compose, text
+it deletes, punctuation, CJK, words that become one unknown token, added tokens whole and cut."""
+
+
+@pytest.mark.parametrize("length", [4, 8, 16, 40])
+def test_the_cut_gives_the_tokenizers_own_truncation_on_random_text(
+    minilm: EmbedRuntime, length: int
+) -> None:
+    """Short contexts put the cut among a few hundred characters, where random text lands
+    every case on it; the ids must be those of the whole text, tokenized and truncated."""
+    spec = minilm.tokenizer.to_str()
+    cut = Truncation(Tokenizer.from_str(spec), length)
+    whole = Tokenizer.from_str(spec)
+    whole.enable_truncation(length)
+    rng = random.Random(length)
+    sizes = [cut.first_prefix // 4, cut.first_prefix, cut.first_prefix * 3]
+    for _ in range(1000):
+        weights = [rng.random() ** 3 for _ in PIECES]
+        text = "".join(rng.choices(PIECES, weights, k=rng.choice(sizes) // 2))
+        assert cut.token_ids([text]) == [whole.encode(text).ids], text
 
 
 @pytest.fixture(scope="module")
