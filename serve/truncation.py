@@ -15,7 +15,8 @@ input instead, and takes its ids only where they are sure to be the whole input'
   punctuation), so a tokenizer that composes is tokenized whole.
 - An added token (`[MASK]`) is matched in the raw text: a cut inside one makes other words of
   the prefix ("[" then "mas"), but only within the last M characters, M the longest added
-  token. So a word that begins M characters or more before the cut is whole and the same.
+  token. So the words before one that begins M characters or more before the cut are whole
+  and the same as in the whole input.
 - The model turns each word into tokens by itself.
 
 So the prefix's first K tokens (K: the length less the special tokens the post-processor adds)
@@ -23,7 +24,7 @@ are the input's first K tokens when a token after them begins another word at le
 characters before the cut. Otherwise the prefix grows (by GROWTH, to the whole input at most)
 and is tokenized again. Where the tokenizer's parts are not known to be local (a regex
 normalizer, a pre-tokenizer that looks far ahead, an added token matched on normalized text),
-the whole input is tokenized, as before.
+the whole input is tokenized (once).
 
 The first prefix is a guess that fits text whose words are in the vocabulary:
 `length` x (the longest vocabulary entry + 1 for a separator) characters. There is no bound to
