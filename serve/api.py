@@ -6,6 +6,11 @@ before it reaches the engine, so bad input costs the running batch nothing. Requ
 (chat rendering, tokenizing, embedding) runs on worker threads, never on the event loop, so
 /health and the streams of other requests are answered meanwhile. A client that goes away
 mid-stream cancels its request, which frees its KV pages at the engine's next step.
+
+Whatever fails answers with an OpenAI error body: a request the engine fails, a fault in this
+module's own code for one request (serve/errors.py, `AnswerFaults`), a request that comes
+while the server drains (serve/drain.py); a stream whose 200 went out ends with the error as
+an event, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -26,12 +31,20 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from flare.serve.errors import ApiError
+from flare.serve.drain import AdmitRequests, Drain, refusal
+from flare.serve.errors import AnswerFaults, ApiError, internal_error
 from flare.serve.limits import BodyLimits, LimitBodies
 from flare.serve.metrics import render_metrics
 from flare.serve.openapi import event_stream, openapi_document
 from flare.serve.prompts import Prompts
-from flare.serve.runtime import Delta, RequestFailed, RequestHandle, Runtime, SamplingParams
+from flare.serve.runtime import (
+    Delta,
+    EngineStopping,
+    RequestFailed,
+    RequestHandle,
+    Runtime,
+    SamplingParams,
+)
 from flare.serve.schemas import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -61,6 +74,8 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorResponse, "description": "the model is not the one served here"},
     408: {"model": ErrorResponse, "description": "the body did not arrive in time"},
     413: {"model": ErrorResponse, "description": "the body is over the size limit"},
+    500: {"model": ErrorResponse, "description": "the server failed this request"},
+    503: {"model": ErrorResponse, "description": "the server is shutting down (Retry-After)"},
 }
 """What every /v1/ route may answer besides its result."""
 
@@ -80,6 +95,14 @@ def _failed(exc: RequestFailed) -> ApiError:
     return ApiError(500, str(exc), "server_error")
 
 
+def _stream_failed(exc: Exception, stream: str) -> ApiError:
+    """What ends a stream that failed: the engine's error (logged by the engine), or a fault
+    of the server's own code (logged here, with its traceback)."""
+    if isinstance(exc, RequestFailed):
+        return _failed(exc)
+    return internal_error(exc, f"stream {stream}")
+
+
 def create_app(
     runtime: Runtime,
     package: ServedPackage,
@@ -87,13 +110,19 @@ def create_app(
     limits: BodyLimits | None = None,
 ) -> FastAPI:
     """The app for one runtime: health, metrics, models, completions, chat, embeddings, and
-    its OpenAPI document; request bodies are held to `limits` (serve/limits.py)."""
+    its OpenAPI document. A request's body is held to `limits` (serve/limits.py), then the
+    request is admitted unless the server drains (`app.state.drain`, serve/drain.py), then
+    handled; a fault anywhere in that is answered (serve/errors.py)."""
     app = FastAPI(title="flare", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ready = False
+    app.state.drain = Drain()
+    app.add_middleware(AdmitRequests, drain=app.state.drain)
     app.add_middleware(LimitBodies, limits=limits or BodyLimits())
+    app.add_middleware(AnswerFaults)  # the last added is the outermost: it sees every fault
     _add_error_handlers(app)
     routes = _Routes(runtime, package)
-    health = {200: {"model": Health}, 503: {"model": Health, "description": "not ready"}}
+    unready = {"model": Health, "description": "starting, or draining after a stop signal"}
+    health = {200: {"model": Health}, 503: unready}
     app.get("/health", response_model=None, responses=health)(routes.health)
     text = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
     app.get("/metrics", response_class=PlainTextResponse, responses=text)(routes.metrics)
@@ -183,6 +212,8 @@ class _Routes:
         self.prompts = Prompts(runtime)
 
     async def health(self, request: Request) -> JSONResponse:
+        if request.app.state.drain.begun:
+            return JSONResponse({"status": "draining"}, 503)
         ready = bool(request.app.state.ready)
         return JSONResponse({"status": "ok" if ready else "starting"}, 200 if ready else 503)
 
@@ -221,18 +252,14 @@ class _Routes:
 
     async def embeddings(self, body: EmbeddingRequest) -> dict[str, Any]:
         self._check_model(body.model, "embed")
-        texts = body.texts()
-        counts, vectors = await asyncio.to_thread(self._embed, texts)
+        embedded = await asyncio.to_thread(self.runtime.embed, body.texts())
         data = [
             {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
-            for i, v in enumerate(vectors)
+            for i, v in enumerate(embedded.vectors)
         ]
-        usage = {"prompt_tokens": sum(counts), "total_tokens": sum(counts)}
+        tokens = sum(embedded.token_counts)  # as the model saw them: cut to the context
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
         return {"object": "list", "model": self.package.name, "data": data, "usage": usage}
-
-    def _embed(self, texts: list[str]) -> tuple[list[int], list[list[float]]]:
-        """Token counts (past the context, cut, as sentence-transformers does) and vectors."""
-        return self.runtime.count_tokens(texts), self.runtime.embed(texts)
 
     def _check_model(self, model: str, kind: str) -> None:
         if model != self.package.name:
@@ -283,6 +310,8 @@ class _Routes:
             return self.runtime.submit(ids, params)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
+        except EngineStopping as exc:
+            raise refusal() from exc
 
     async def _answer(self, body: Sampling, reply: _Reply, handle: RequestHandle) -> Any:
         if body.stream:
@@ -354,7 +383,8 @@ class _Reply:
 
     async def stream(self, handle: RequestHandle, with_usage: bool) -> AsyncIterator[str]:
         """Server-sent events; cancelling this generator (a client gone) cancels the request.
-        A request the engine fails ends with an error event (the status was sent already)."""
+        A request that fails, in the engine or in this code, ends with an error event (the
+        status was sent already) and `[DONE]`; cancellation is no failure and passes."""
         try:
             if self.chat:
                 yield self._event(
@@ -371,8 +401,8 @@ class _Reply:
                     self.completion_tokens += len(delta.token_ids)
                     if delta.text or delta.finish_reason or delta.logprobs:  # not half a char
                         yield self._event([self._chunk_choice(delta)])
-            except RequestFailed as exc:
-                yield f"data: {_json(_failed(exc).body())}\n\n"
+            except Exception as exc:
+                yield _stream_failed(exc, self.id).event()
             else:
                 if with_usage:
                     yield self._event([], usage=self.usage())

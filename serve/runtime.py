@@ -12,6 +12,7 @@ import datetime
 import json
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,19 +24,22 @@ from torch import nn
 
 from flare.serve.engine.attention import make_attention
 from flare.serve.engine.block_manager import BlockManager
-from flare.serve.engine.engine import Engine
+from flare.serve.engine.engine import Engine, EngineStopping
 from flare.serve.engine.output import Delta, RequestFailed, RequestHandle
 from flare.serve.engine.runner import ModelRunner
 from flare.serve.engine.scheduler import Scheduler
 from flare.serve.engine.sequence import SamplingParams, TokenLogprob
 from flare.serve.models import load_model, model_kind
 from flare.serve.models.files import PackageFiles, Quarantine
+from flare.serve.truncation import Truncation
 from flare.store.errors import InvalidInputError, NotFoundError
 from flare.store.package import Manifest
 
 __all__ = [
     "Delta",
     "EmbedRuntime",
+    "Embedded",
+    "EngineStopping",
     "GenerateRuntime",
     "RequestFailed",
     "RequestHandle",
@@ -86,6 +90,14 @@ def load_runtime(
     return GenerateRuntime(package, model, target, dtype, kv_tokens, attention)
 
 
+@dataclass(frozen=True)
+class Embedded:
+    """Texts' vectors, and the tokens each was counted as (what the model saw of it)."""
+
+    vectors: list[list[float]]
+    token_counts: list[int]
+
+
 class Runtime:
     """What every runtime offers; `kind` says which of submit or embed it serves."""
 
@@ -130,16 +142,12 @@ class Runtime:
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
         raise InvalidInputError(f"model {self.model_name} embeds text; it does not generate")
 
-    def embed(self, texts: list[str]) -> list[list[float]]:
+    def embed(self, texts: list[str]) -> Embedded:
         raise InvalidInputError(f"model {self.model_name} generates text; it does not embed")
 
     def token_text(self, token_id: int) -> str:
         """One token's own text (special tokens included), for logprob entries."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        """Tokens each text counts as (for usage), as the model would see them."""
-        return [len(e.ids) for e in self.tokenizer.encode_batch(texts)]
 
     def kv_stats(self) -> dict[str, int]:
         return {}
@@ -210,7 +218,9 @@ class GenerateRuntime(Runtime):
 
 
 class EmbedRuntime(Runtime):
-    """A sentence encoder: texts in, one vector each out."""
+    """A sentence encoder: texts in, one vector each out. Each text is tokenized once, cut
+    to the context as sentence-transformers cuts it, and only as much of it as gives those
+    tokens (serve/truncation.py), so a huge input costs what a context's worth of it does."""
 
     kind = "embed"
 
@@ -222,28 +232,33 @@ class EmbedRuntime(Runtime):
             raise package.malformed("sentence_bert_config.json", problem)
         super().__init__(package, length)
         self.tokenizer.no_padding()
-        self.tokenizer.enable_truncation(self.context_length)
+        self.tokenizer.no_truncation()
+        self.truncation = Truncation(self.tokenizer, length)
+        if self.truncation.room < 1:
+            problem = f"has max_seq_length {length}, no room beside the special tokens"
+            raise package.malformed("sentence_bert_config.json", problem)
         self.model = model
         self.device = next(model.parameters()).device
         self._lock = threading.Lock()
         self._counters = {"requests_finished": 0, "prompt_tokens": 0}
 
-    def embed(self, texts: list[str]) -> list[list[float]]:
-        """Pooled vectors, computed in batches; texts past the context length are truncated."""
+    def embed(self, texts: list[str]) -> Embedded:
+        """Pooled vectors, computed in batches, and each text's tokens (for usage); texts
+        past the context length are cut to it."""
         if not texts:
             raise ValueError("nothing to embed: the input is empty")
+        token_ids = self.truncation.token_ids(texts)
         vectors: list[list[float]] = []
         for start in range(0, len(texts), EMBED_BATCH):
-            vectors += self._batch(texts[start : start + EMBED_BATCH])
-        return vectors
+            vectors += self._batch(token_ids[start : start + EMBED_BATCH])
+        return Embedded(vectors, [len(ids) for ids in token_ids])
 
     @torch.inference_mode()
-    def _batch(self, texts: list[str]) -> list[list[float]]:
-        encodings = [e.ids for e in self.tokenizer.encode_batch(texts)]
-        width = max(len(ids) for ids in encodings)
-        ids = torch.zeros((len(texts), width), dtype=torch.int64)
-        mask = torch.zeros((len(texts), width), dtype=torch.int64)
-        for row, tokens in enumerate(encodings):
+    def _batch(self, token_ids: list[list[int]]) -> list[list[float]]:
+        width = max(len(tokens) for tokens in token_ids)
+        ids = torch.zeros((len(token_ids), width), dtype=torch.int64)
+        mask = torch.zeros((len(token_ids), width), dtype=torch.int64)
+        for row, tokens in enumerate(token_ids):
             ids[row, : len(tokens)] = torch.tensor(tokens)
             mask[row, : len(tokens)] = 1
         with self._lock:

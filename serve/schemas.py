@@ -333,4 +333,4 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "starting"]
+    status: Literal["ok", "starting", "draining"]

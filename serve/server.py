@@ -1,13 +1,16 @@
 """Run the API with uvicorn: say the URL once listening, drain on SIGINT/SIGTERM, exit 0.
 
 Readiness is the socket, not the import: /health answers 200 only after the runtime is
-loaded and the server listens, and 503 again once a shutdown has begun.
+loaded and the server listens, and 503 again once a shutdown has begun. The shutdown drains
+first, the socket still open (serve/drain.py): the admitted requests finish while new ones are
+answered 503; then uvicorn closes the socket and the connections, and the engine stops.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -19,7 +22,8 @@ from flare.serve.runtime import Runtime
 from flare.store.errors import FlareError
 
 DRAIN_TIMEOUT_S = 60
-"""How long in-flight requests may take to finish after a stop signal."""
+"""How long in-flight requests may take to finish after a stop signal; past it, uvicorn
+cancels them as it closes the connections."""
 
 
 class _Server(uvicorn.Server):
@@ -38,7 +42,13 @@ class _Server(uvicorn.Server):
             self.on_ready(f"http://{_display(host)}:{port}/v1")
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Drain, then uvicorn's shutdown, within DRAIN_TIMEOUT_S together (a second signal
+        cuts both short)."""
+        started = time.monotonic()
+        await self.app.state.drain.settle(DRAIN_TIMEOUT_S, lambda: self.force_exit)
         self.app.state.ready = False
+        left = DRAIN_TIMEOUT_S - (time.monotonic() - started)
+        self.config.timeout_graceful_shutdown = max(0.0, left)
         await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:

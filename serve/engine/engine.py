@@ -30,6 +30,11 @@ from flare.serve.engine.sequence import SamplingParams, Sequence, TokenLogprob
 log = logging.getLogger(__name__)
 
 
+class EngineStopping(RuntimeError):
+    """The engine is stopping (draining or stopped) and takes no new requests; the request
+    was not started, so the client may send it again, to this server's successor."""
+
+
 @dataclass
 class _Request:
     seq: Sequence
@@ -73,8 +78,9 @@ class Engine:
     # -- other threads --------------------------------------------------------------------
 
     def submit(self, prompt: list[int], params: SamplingParams, max_tokens: int) -> RequestHandle:
+        """Queue a request; raises EngineStopping once `stop` was called."""
         if not self._accepting:
-            raise RuntimeError("the runtime is stopping and takes no new requests")
+            raise EngineStopping("the engine is stopping and takes no new requests")
         seq = Sequence(prompt, params, max_tokens)
         handle = RequestHandle(seq.id, lambda: self._post(lambda: self._cancel(seq.id)))
         request = _Request(seq, handle, TextStream(self.tokenizer, params.stop))

