@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from flare.faults import crash_point
 from flare.registry import refs
 from flare.registry.leases import hold_lease, outlast_caches
 from flare.registry.registry import Registry
@@ -40,6 +41,7 @@ def copy_package(
             lambda d: source.store.copy_to(dest.store, d, progress), manifest.blobs(), workers
         )
         results.append(source.store.copy_to(dest.store, digest, progress))
+        crash_point("copy:publish")
         report.methods = _count(results)
         report.bytes = sum(r.size for r in results)
         for bundle in source.signatures(digest):

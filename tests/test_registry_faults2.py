@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import mount_tmpfs
-from registry_helpers import flare, lab_env, tiny_sources
+from registry_helpers import age, carry_on, flare, lab_env, stopped_at, tiny_sources
 from sqlalchemy import create_engine, text
 
 NOT_FOUND, CORRUPT, NO_SPACE = 3, 6, 8
@@ -200,3 +200,38 @@ def test_a_full_disk_on_the_postgresql_server_is_exit_8(
     flare(env, "build", str(sources / "tiny-0"), "--name", "a")
     assert len(json.loads(flare(env, "registry", "ls", "--json").stdout)) == 1
     flare(env, "registry", "verify")
+
+
+# -- gc between a copy's links and its publish -----------------------------------------------
+
+
+def test_gc_between_a_copys_hard_links_and_its_publish_keeps_what_it_linked(
+    host: dict[str, str], sources: Path, tmp_path: Path
+) -> None:
+    """A copy on one filesystem hard-links each blob: the destination's blob is the source's
+    inode, with the source's modification time. A package built a day ago, copied: gc with no
+    grace runs after the links and before the tag (the copy stopped there), then the copy
+    publishes. Every blob it linked must still be there."""
+    origin = host | {
+        "FLARE_REGISTRY": str(tmp_path / "origin"),
+        "FLARE_DATABASE": f"sqlite:///{tmp_path / 'origin.db'}",
+    }
+    flare(origin, "build", str(sources / "tiny-0"), "--name", "a")
+    age(tmp_path / "origin" / "blobs", 86400)
+    args = (
+        "registry",
+        "copy",
+        "a",
+        "--from",
+        origin["FLARE_REGISTRY"],
+        "--to",
+        host["FLARE_REGISTRY"],
+        "--json",
+    )
+    copy = stopped_at(host, "copy:publish", *args)
+    flare(host, "registry", "gc", "--grace", "0")
+    report = json.loads(carry_on(copy))
+    assert report["methods"].get("hardlink"), report  # this filesystem links (ext4, tmpfs, XFS)
+    flare(host, "registry", "verify", "a")
+    flare(host, "registry", "gc", "--grace", "0")
+    flare(host, "registry", "verify", "a")
