@@ -90,14 +90,21 @@ def start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     )
 
 
-def stopped_at(env: dict[str, str], point: str, *args: str) -> subprocess.Popen[str]:
-    """Start the flare command, set to stop (SIGSTOP) at a crash point; return once it has."""
-    process = start(env | {"FLARE_STOP_AT": point}, *args)
+def stopped_at(env: dict[str, str], points: str, *args: str) -> subprocess.Popen[str]:
+    """Start the flare command, set to stop (SIGSTOP) at crash points (`NAME[:N],...`, faults.py);
+    return once it stopped at the first."""
+    process = start(env | {"FLARE_STOP_AT": points}, *args)
+    wait_stopped(process, points)
+    return process
+
+
+def wait_stopped(process: subprocess.Popen[str], point: str) -> None:
+    """Wait until the process has stopped (at `point`, which the message names)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         state = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         if state == "T":
-            return process
+            return
         assert process.poll() is None, f"ended before {point}: {process.communicate()}"
         time.sleep(0.02)
     process.kill()

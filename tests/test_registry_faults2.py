@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import tempfile
@@ -17,7 +18,15 @@ from pathlib import Path
 
 import pytest
 from conftest import mount_tmpfs
-from registry_helpers import age, carry_on, flare, lab_env, stopped_at, tiny_sources
+from registry_helpers import (
+    age,
+    carry_on,
+    flare,
+    lab_env,
+    stopped_at,
+    tiny_sources,
+    wait_stopped,
+)
 from sqlalchemy import create_engine, text
 
 NOT_FOUND, CORRUPT, NO_SPACE = 3, 6, 8
@@ -62,6 +71,13 @@ def fill(folder: Path) -> Path:
     finally:
         os.close(fd)
     return filler
+
+
+def whole(env: dict[str, str], ref: str | None = None) -> None:
+    """`registry verify` passes: every blob of the package (or of every package) is there."""
+    done = flare(env, "registry", "verify", "--json", *([ref] if ref else []), check=False)
+    report = json.loads(done.stdout or "{}")
+    assert done.returncode == 0 and report.get("ok"), (done.stdout, done.stderr)
 
 
 def refused_for_space(done: subprocess.CompletedProcess[str], where: Path) -> None:
@@ -232,6 +248,84 @@ def test_gc_between_a_copys_hard_links_and_its_publish_keeps_what_it_linked(
     flare(host, "registry", "gc", "--grace", "0")
     report = json.loads(carry_on(copy))
     assert report["methods"].get("hardlink"), report  # this filesystem links (ext4, tmpfs, XFS)
-    flare(host, "registry", "verify", "a")
+    whole(host, "a")
     flare(host, "registry", "gc", "--grace", "0")
-    flare(host, "registry", "verify", "a")
+    whole(host, "a")
+
+
+# -- gc beside a writer that reuses a garbage blob -------------------------------------------
+
+
+@pytest.fixture
+def garbage(host: dict[str, str], sources: Path) -> str:
+    """Package a, built a day ago and removed: every blob of it is garbage gc may sweep. Its
+    digest."""
+    digest = json.loads(
+        flare(host, "build", str(sources / "tiny-0"), "--name", "a", "--json").stdout
+    )["digest"]
+    flare(host, "registry", "rm", "a")
+    age(Path(host["FLARE_REGISTRY"]) / "blobs", 86400)
+    return digest
+
+
+def other_host(env: dict[str, str], name: str) -> dict[str, str]:
+    """Another process on the same registry and index DB, with a staging area of its own (so
+    its build stores every payload again rather than reuse a journal's record)."""
+    return env | {"FLARE_HOME": str(Path(env["FLARE_HOME"]).parent / name)}
+
+
+def test_a_garbage_blob_a_build_reuses_while_gc_is_about_to_remove_it_stays(
+    host: dict[str, str], sources: Path, garbage: str
+) -> None:
+    """gc's last look finds blob X old and unreached; before it removes X (it stopped there),
+    a build of the same package finds X stored, touches it, publishes, checks its package
+    whole and ends. Then gc goes on. X must stay: the package is tagged."""
+    gc = stopped_at(host, "gc:doomed", "registry", "gc", "--grace", "0", "--json")
+    writer = other_host(host, "writer")
+    built = json.loads(
+        flare(writer, "build", str(sources / "tiny-0"), "--name", "a", "--json").stdout
+    )
+    assert built["digest"] == garbage
+    report = json.loads(carry_on(gc))
+    whole(host, "a")
+    assert len(report["put_back"]) == 1 and report["deleted"] == [], report
+    flare(host, "registry", "gc", "--grace", "0")
+    whole(host, "a")
+
+
+def test_a_build_puts_back_a_blob_gc_moved_to_its_trash_after_the_build_found_it(
+    host: dict[str, str], sources: Path, garbage: str
+) -> None:
+    """As above, but the build's last check comes after gc moved X to its trash and before gc
+    empties the trash (each stopped there in turn): the build finds X gone, puts it back from
+    the trash and succeeds; the package is whole."""
+    points = "gc:doomed,gc:empty"
+    gc = stopped_at(host, points, "registry", "gc", "--grace", "0", "--json")
+    writer = other_host(host, "writer")
+    build = stopped_at(writer, "publish:check", "build", str(sources / "tiny-0"), "--name", "a")
+    gc.send_signal(signal.SIGCONT)
+    wait_stopped(gc, "gc:empty")
+    assert len(list((Path(host["FLARE_REGISTRY"]) / "trash").rglob("*.*.*"))) == 1
+    carry_on(build)
+    assert not list((Path(host["FLARE_REGISTRY"]) / "trash").rglob("*.*.*"))
+    carry_on(gc)
+    whole(host, "a")
+
+
+def test_a_garbage_blob_stored_again_while_gc_is_about_to_remove_it_stays(
+    host: dict[str, str], sources: Path, tmp_path: Path
+) -> None:
+    """The bare race, with no lease or tag to help: gc's last look finds blob X old and
+    unreached; before it removes X, `flare store put` of the same bytes finds X stored (it
+    touches X, writes nothing and says `existing`). X must stay: the writer relies on it."""
+    flare(host, "build", str(sources / "tiny-0"), "--name", "a")  # a registry with a root
+    data = tmp_path / "data.bin"
+    data.write_bytes(os.urandom(1 << 16))
+    put = ("store", "put", str(data), "--no-link", "--json")
+    digest = json.loads(flare(host, *put).stdout)[0]["digest"]
+    age(Path(host["FLARE_REGISTRY"]) / "blobs", 86400)
+    gc = stopped_at(host, "gc:doomed", "registry", "gc", "--grace", "0", "--json")
+    assert json.loads(flare(host, *put).stdout)[0]["method"] == "existing"
+    report = json.loads(carry_on(gc))
+    assert flare(host, "store", "verify", digest, check=False).returncode == 0, report
+    assert report["put_back"] == [digest] and report["deleted"] == [], report
