@@ -329,3 +329,43 @@ def test_a_garbage_blob_stored_again_while_gc_is_about_to_remove_it_stays(
     report = json.loads(carry_on(gc))
     assert flare(host, "store", "verify", digest, check=False).returncode == 0, report
     assert report["put_back"] == [digest] and report["deleted"] == [], report
+
+
+# -- verify of every package beside a corrupt package index ----------------------------------
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    path.chmod(0o444)
+
+
+def blob_path(env: dict[str, str], digest: str) -> Path:
+    hex_digest = digest.removeprefix("blake3:")
+    return Path(env["FLARE_REGISTRY"]) / "blobs" / "blake3" / hex_digest[:2] / hex_digest
+
+
+def test_verify_of_every_package_reports_a_corrupt_index_and_checks_the_others(
+    host: dict[str, str], sources: Path
+) -> None:
+    """Package a's index and a payload of package b flipped: `registry verify` (no REF) names
+    both, quarantines both, prints its JSON report and exits 6; it does not stop at a's index."""
+    built = {
+        name: json.loads(
+            flare(host, "build", str(sources / f"tiny-{i}"), "--name", name, "--json").stdout
+        )
+        for i, name in enumerate("ab")
+    }
+    index = built["a"]["digest"]
+    shown = json.loads(flare(host, "registry", "show", "b", "--json").stdout)
+    payload = shown["manifest"]["payloads"][0]["digest"]
+    for digest in (index, payload):
+        flip_a_byte(blob_path(host, digest))
+    done = flare(host, "registry", "verify", "--json", check=False)
+    assert done.returncode == CORRUPT and done.stdout.strip(), f"no report: {done.stderr}"
+    report = json.loads(done.stdout)
+    assert sorted(report["corrupt"]) == sorted([index, payload]), report
+    assert len(report["quarantined"]) == 2 and report["missing"] == [], report
+    assert not blob_path(host, index).exists() and not blob_path(host, payload).exists()
