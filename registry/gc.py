@@ -5,14 +5,17 @@ names; each root keeps its index and every blob its manifest names. A bad ref fi
 collection before it deletes anything: what the file was meant to name could be swept.
 Forget: name records of the packages the sweep will delete (unrooted, index old enough) go
 first, index DB rows then ref files, so a package a reader finds recorded is never half swept.
-Sweep: a blob nobody reaches is deleted only if it was not touched within the grace period, nor
+Sweep: a blob nobody reaches is swept only if it was not touched within the grace period, nor
 since the start of a live build lease, checked again just before it goes; roots are read again
-every REREAD_ROOTS_S of the sweep. Deleting one blob file is atomic, so a collector killed at
-any point leaves a store whose every remaining blob is intact. Then index DB rows of packages
-whose index is gone are dropped (a collector of an older flare, killed between removing a
-record's file and its rows, left them listed), and the signatures and marks files of swept
-packages are removed (registry/marks.py). docs/package-format.md ("Garbage collection") says
-what a reader sees at each step.
+every REREAD_ROOTS_S of the sweep. It goes to the trash first (store/trash.py): with the roots
+read once more, a swept blob that a root now reaches, or that a writer touched between the last
+check and the move, is put back, and the others are deleted (on a shared registry, by a later
+gc, once every host's view of the move has settled). Moving or deleting one blob file is
+atomic, so a collector killed at any point leaves a store whose every remaining blob is intact.
+Then index DB rows of packages whose index is gone are dropped (a collector of an older flare,
+killed between removing a record's file and its rows, left them listed), and the signatures and
+marks files of swept packages are removed (registry/marks.py). docs/package-format.md
+("Garbage collection") says what a reader sees at each step.
 """
 
 from __future__ import annotations
@@ -217,8 +220,7 @@ def trash_window_s(registry: Registry) -> float:
     registry, a writer's touch through a client's stale view can land on it up to a cache
     window after the move, and shows to this host a cache window later; the time of the move
     is another host's clock. 0 on a local disk: the same gc empties it."""
-    network = registry.store.backend.network
-    return registry.gc_margin_s + registry.cache_window_s if network else 0.0
+    return registry.gc_margin_s + registry.cache_window_s
 
 
 def _empty_trash(registry: Registry, report: GcReport, found: Roots, reached: Reached) -> Roots:
@@ -232,7 +234,7 @@ def _empty_trash(registry: Registry, report: GcReport, found: Roots, reached: Re
             report.in_trash += entry.size
         else:
             due.append(entry)
-    if due:
+    if due:  # read after the listing: a lease written before any listed move is seen
         found = _reread(registry, found, reached.since, keep=True)
     for entry in due:
         crash_point("gc:empty")

@@ -16,15 +16,17 @@ sweep deletes at once (leases alone protect what writers reuse).
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from flare.store.blobs import TRASH_DIR, BlobStore, blob_key
 from flare.store.digest import HEX_LENGTH, Digest
 from flare.store.encoding import Encoding
-from flare.store.errors import NotFoundError
+from flare.store.errors import NotFoundError, from_os_error
 
 _ENTRY = re.compile(
     rf"([0-9a-f]{{{HEX_LENGTH}}})({re.escape(Encoding.ZSTD.suffix)})?\.([0-9]+)\.([0-9]+)"
@@ -50,24 +52,35 @@ def _ns(modified: float) -> int:
     return round(modified * 1e9)
 
 
-def keeps_files(store: BlobStore) -> bool:
-    """Whether a move in this store is a rename, which keeps the file and its times (a local
-    path, a network filesystem's mount included), so the trash can tell a touch."""
-    return store.backend.local_path(TRASH_DIR) is not None
-
-
 def discard(store: BlobStore, key: str, modified: float) -> bool:
     """Sweep the blob at key, last seen with modification time `modified`: into the trash
-    (deleted at once where moves copy). False if it was gone already (another collector)."""
-    if not keeps_files(store):
+    (deleted at once where moves copy). False if it was gone already (another collector).
+    The rename is not made durable: after a power loss the blob is back where it was, and
+    the next gc sweeps it again."""
+    source = store.backend.local_path(key)
+    if source is None:
         store.backend.remove(key)
         return True
-    name = key.rsplit("/", 1)[-1]
+    name = f"{source.name}.{time.time_ns()}.{_ns(modified)}"
+    dest = store.backend.local_path(f"{TRASH_DIR}/{source.name[:2]}/{name}")
+    assert dest is not None
     try:
-        store.backend.move(key, f"{TRASH_DIR}/{name[:2]}/{name}.{time.time_ns()}.{_ns(modified)}")
-    except NotFoundError:
+        _rename(source, dest)
+    except FileNotFoundError:
         return False
+    except OSError as exc:
+        raise from_os_error(exc, "move to the trash", source) from exc
     return True
+
+
+def _rename(source: Path, dest: Path) -> None:
+    try:
+        os.rename(source, dest)
+    except FileNotFoundError:
+        if dest.parent.is_dir() or not source.exists():
+            raise
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(source, dest)
 
 
 def entries(store: BlobStore, folder: str = "") -> Iterator[Trashed]:
