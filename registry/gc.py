@@ -201,18 +201,22 @@ def _reread(registry: Registry, found: Roots, since: set[str], keep: bool) -> Ro
     return replace(found, packages=packages, blobs=blobs, build_start=fresh.build_start)
 
 
-@dataclass(frozen=True)
 class Reached:
     """What the roots reach: the mark's, and those of the roots read again since (leases'
-    single blobs included)."""
+    single blobs included); the mark's decoded one fan-out folder at a time, once."""
 
-    marked: Marked
-    since: set[str]
+    def __init__(self, marked: Marked, since: set[str]) -> None:
+        self.marked = marked
+        self.since = since
+        self._folders: dict[str, set[str]] = {}
 
     def __contains__(self, hex_digest: str) -> bool:
         if hex_digest in self.since:
             return True
-        return any(hex_digest in listed for listed in self.marked.in_folder(hex_digest[:2]))
+        folder = hex_digest[:2]
+        if folder not in self._folders:
+            self._folders[folder] = set().union(*self.marked.in_folder(folder))
+        return hex_digest in self._folders[folder]
 
 
 def trash_window_s(registry: Registry) -> float:
@@ -239,7 +243,7 @@ def _empty_trash(registry: Registry, report: GcReport, found: Roots, reached: Re
     for entry in due:
         crash_point("gc:empty")
         try:
-            if entry.digest.hex in reached or trash.touched(store, entry):
+            if entry.touched or entry.digest.hex in reached:
                 trash.put_back(store, entry)
                 _taken_back(report, entry)
             else:

@@ -21,7 +21,6 @@ import re
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from flare.store.blobs import TRASH_DIR, BlobStore, blob_key
 from flare.store.digest import HEX_LENGTH, Digest
@@ -45,6 +44,15 @@ class Trashed:
     seen_ns: int
     """Its modification time as the sweep's last look found it."""
     size: int
+    modified: float
+    """Its modification time as listed in the trash."""
+
+    @property
+    def touched(self) -> bool:
+        """Whether a writer touched the blob after the sweep's last look: before the move (the
+        inode keeps the time), or, on a network filesystem, through a stale view of the old
+        name up to a cache window after it (entries are decided only once that is over)."""
+        return _ns(self.modified) != self.seen_ns
 
 
 def _ns(modified: float) -> int:
@@ -57,15 +65,22 @@ def discard(store: BlobStore, key: str, modified: float) -> bool:
     (deleted at once where moves copy). False if it was gone already (another collector).
     The rename is not made durable: after a power loss the blob is back where it was, and
     the next gc sweeps it again."""
-    source = store.backend.local_path(key)
-    if source is None:
+    root = store.backend.local_path("")
+    if root is None:
         store.backend.remove(key)
         return True
-    name = f"{source.name}.{time.time_ns()}.{_ns(modified)}"
-    dest = store.backend.local_path(f"{TRASH_DIR}/{source.name[:2]}/{name}")
-    assert dest is not None
+    name = key.rsplit("/", 1)[-1]
+    source = f"{root}/{key}"
+    folder = f"{root}/{TRASH_DIR}/{name[:2]}"
+    dest = f"{folder}/{name}.{time.time_ns()}.{_ns(modified)}"
     try:
-        _rename(source, dest)
+        try:
+            os.rename(source, dest)
+        except FileNotFoundError:
+            if os.path.isdir(folder) or not os.path.exists(source):
+                return False
+            os.makedirs(folder, exist_ok=True)
+            os.rename(source, dest)
     except FileNotFoundError:
         return False
     except OSError as exc:
@@ -73,32 +88,21 @@ def discard(store: BlobStore, key: str, modified: float) -> bool:
     return True
 
 
-def _rename(source: Path, dest: Path) -> None:
-    try:
-        os.rename(source, dest)
-    except FileNotFoundError:
-        if dest.parent.is_dir() or not source.exists():
-            raise
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(source, dest)
-
-
-def entries(store: BlobStore, folder: str = "") -> Iterator[Trashed]:
-    """Every blob in the trash (or in one fan-out folder of it); other files are left out."""
-    prefix = f"{TRASH_DIR}/{folder}" if folder else TRASH_DIR
-    for stored in store.backend.iter_files(prefix):
-        match = _ENTRY.fullmatch(stored.key.rsplit("/", 1)[-1])
-        if match is None:
-            continue
-        encoding = Encoding.ZSTD if match[2] else Encoding.PLAIN
-        digest = Digest.from_checked_hex(match[1])
-        yield Trashed(stored.key, digest, encoding, int(match[3]) / 1e9, int(match[4]), stored.size)
-
-
-def touched(store: BlobStore, entry: Trashed) -> bool:
-    """Whether a writer touched the blob after the sweep's last look (False if it is gone)."""
-    stat = store.backend.stat(entry.key)
-    return stat is not None and _ns(stat[1]) != entry.seen_ns
+def entries(store: BlobStore, folder: str | None = None) -> Iterator[Trashed]:
+    """Every blob in the trash (or in one fan-out folder of it), as one listing with a stat of
+    each file gives it; other files are left out."""
+    folders = store.backend.list_dir(TRASH_DIR) if folder is None else [folder]
+    for name in folders:
+        _, files = store.backend.stat_folder(f"{TRASH_DIR}/{name}", [])
+        for file, size, modified in files:
+            match = _ENTRY.fullmatch(file)
+            if match is None:
+                continue
+            encoding = Encoding.ZSTD if match[2] else Encoding.PLAIN
+            digest = Digest.from_checked_hex(match[1])
+            key = f"{TRASH_DIR}/{name}/{file}"
+            moved, seen = int(match[3]) / 1e9, int(match[4])
+            yield Trashed(key, digest, encoding, moved, seen, size, modified)
 
 
 def put_back(store: BlobStore, entry: Trashed) -> None:
