@@ -1151,13 +1151,14 @@ def store_du(store: StoreOption = None, as_json: JsonOption = False) -> None:
     free = "unknown" if usage.free_bytes is None else decimal(usage.free_bytes)
     print_table(
         f"usage of {blobs.location}",
-        ("blobs", "stored", "temp", "quarantine", "free"),
+        ("blobs", "stored", "temp", "quarantine", "trash", "free"),
         [
             (
                 usage.blobs,
                 decimal(usage.stored_bytes),
                 decimal(usage.temp_bytes),
                 decimal(usage.quarantine_bytes),
+                decimal(usage.trash_bytes),
                 free,
             )
         ],
@@ -1418,6 +1419,10 @@ def registry_gc(
     )
     for forgotten in report.forgotten:
         out.print(f"forgot {forgotten}")
+    for digest in report.put_back:
+        out.print(f"put back {digest} from the trash (in use again)")
+    if report.in_trash:
+        out.print(f"{decimal(report.in_trash)} of swept blobs wait in trash/ for a later gc")
 
 
 @registry_app.command("verify")

@@ -35,6 +35,7 @@ from flare.faults import crash_point
 from flare.model_sizes import check_sizes
 from flare.registry.leases import Lease, add_to_lease, hold_lease, outlast_caches
 from flare.registry.registry import Registry
+from flare.store import trash
 from flare.store.digest import Digest
 from flare.store.errors import IntegrityError, InvalidInputError
 from flare.store.hashing import FileState, check_unchanged, hash_bytes, parallel_map
@@ -163,7 +164,8 @@ class Build:
                 started = time.perf_counter()
             result = self._run(started, recipe, config)
             outlast_caches(self.registry.cache_window_s)
-            self._check_published(result.manifest)
+            crash_point("publish:check")
+            self._check_published(result.manifest, result.digest)
             if self.leader is not None:
                 self.leader.finish(str(result.digest))
             return result
@@ -189,10 +191,12 @@ class Build:
         finally:
             rendezvous.close()
 
-    def _check_published(self, manifest: Manifest) -> None:
-        """Every blob the package names is stored (a gc racing a resumed build is caught),
-        asked of the server, not of a network client's cache."""
-        missing = [d for d in manifest.blobs() if not self.store.confirm(d)]
+    def _check_published(self, manifest: Manifest, index: Digest) -> None:
+        """The index and every blob the package names are stored, asked of the server, not of
+        a network client's cache; one that a gc moved to its trash after this build found it
+        stored is put back (store/trash.py). One gone for good (a build stopped for longer
+        than the trash keeps it) fails the build, exit 6: running it again restores it."""
+        missing = trash.missing(self.store, [*manifest.blobs(), index])
         if missing:
             raise IntegrityError(
                 f"blob {missing[0]} of the new package is gone from {self.store.location}",

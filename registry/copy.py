@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from flare.faults import crash_point
 from flare.registry import refs
 from flare.registry.leases import hold_lease, outlast_caches
 from flare.registry.registry import Registry
 from flare.registry.signatures import write_signature
+from flare.store import trash
 from flare.store.blobs import PutResult
 from flare.store.digest import Digest
+from flare.store.errors import IntegrityError
 from flare.store.hashing import Progress, parallel_map
 
 
@@ -40,6 +43,7 @@ def copy_package(
             lambda d: source.store.copy_to(dest.store, d, progress), manifest.blobs(), workers
         )
         results.append(source.store.copy_to(dest.store, digest, progress))
+        crash_point("copy:publish")
         report.methods = _count(results)
         report.bytes = sum(r.size for r in results)
         for bundle in source.signatures(digest):
@@ -53,7 +57,20 @@ def copy_package(
                 if pinned == digest:
                     dest.pin(f"{name}@{digest.hex}")
         outlast_caches(dest.cache_window_s)
+        _check_copied(dest, digest, manifest.blobs())
     return report
+
+
+def _check_copied(dest: Registry, digest: Digest, blobs: list[Digest]) -> None:
+    """Every blob of the package is stored in the destination, asked of its server, once every
+    host's gc can see the new refs; one that a gc moved to its trash after the copy found it
+    stored is put back (store/trash.py)."""
+    missing = trash.missing(dest.store, [*blobs, digest])
+    if missing:
+        raise IntegrityError(
+            f"blob {missing[0]} of the copied package is gone from {dest.location}",
+            "a concurrent gc removed it; run the same copy again to restore it",
+        )
 
 
 def _count(results: list[PutResult]) -> dict[str, int]:

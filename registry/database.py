@@ -30,7 +30,7 @@ from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError
 from flare.faults import crash_point
 from flare.registry.models import metadata
 from flare.store.backends.filesystems import on_network_filesystem
-from flare.store.errors import FlareError
+from flare.store.errors import FlareError, NoSpaceError
 
 T = TypeVar("T")
 BUSY_TIMEOUT_MS = 30_000
@@ -39,6 +39,16 @@ MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 MIGRATION_LOCK_KEY = 0x666C617265  # "flare": the PostgreSQL advisory lock for migrations
 WRITING = "flare_writing"
 """The execution option that marks a write transaction (SQLite begins it IMMEDIATE)."""
+SQLITE_FULL = 13
+SQLITE_IOERR = 10
+SQLITE_IOERR_SHMSIZE = 4874
+"""SQLite's result codes for a full disk: SQLITE_FULL where a write of the DB or its journal
+found no space; an I/O error growing the WAL's shared-memory file (or another I/O error on a
+filesystem with no space left) where opening the DB did."""
+NEARLY_FULL = 1 << 20
+"""Free bytes below which a SQLite I/O error is taken for a full disk."""
+PG_DISK_FULL = "53100"
+"""PostgreSQL's SQLSTATE disk_full: the server could not extend a table, index or WAL file."""
 SCHEMA_HEAD = "0002"
 """The newest revision in migrations/versions (a test keeps the two equal). An index already
 at it opens without loading alembic, which keeps every command's start-up short."""
@@ -52,6 +62,35 @@ class UnusableIndexError(FlareError):
     def __init__(self, what: str, hint: str = "", corrupt: bool = False) -> None:
         super().__init__(what, hint)
         self.corrupt = corrupt
+
+
+def _disk_full(exc: DatabaseError, sqlite_path: Path | None) -> bool:
+    """Whether the DB failed because its disk is full: SQLite's SQLITE_FULL, its I/O errors
+    where the filesystem holding the DB has no space left (they carry no errno), PostgreSQL's
+    disk_full. SQLite's text is tested too, for drivers that give no code."""
+    cause = exc.orig
+    if (
+        getattr(cause, "sqlstate", None) == PG_DISK_FULL
+        or getattr(cause, "pgcode", None) == PG_DISK_FULL
+    ):
+        return True
+    code = getattr(cause, "sqlite_errorcode", None)
+    if code is None:
+        return "database or disk is full" in str(exc)
+    if code & 0xFF == SQLITE_FULL or code == SQLITE_IOERR_SHMSIZE:
+        return True
+    return (
+        code & 0xFF == SQLITE_IOERR and sqlite_path is not None and _free(sqlite_path) < NEARLY_FULL
+    )
+
+
+def _free(sqlite_path: Path) -> int:
+    """Free bytes on the filesystem holding the SQLite DB (unknown: plenty)."""
+    try:
+        st = os.statvfs(sqlite_path.parent)
+    except OSError:
+        return NEARLY_FULL
+    return st.f_bavail * st.f_frsize
 
 
 def _retryable(exc: DatabaseError) -> bool:
@@ -168,7 +207,7 @@ class IndexDB:
             with self._migration_lock(), self._writing() as connection:
                 return self._upgrade(connection)
         except DatabaseError as exc:
-            raise (self._corrupt(exc) if self._is_corrupt(exc) else self._unreachable(exc)) from exc
+            raise self._failure(exc) or self._unreachable(exc) from exc
 
     def _upgrade(self, connection) -> str:  # type: ignore[no-untyped-def]
         current = self._current(connection)
@@ -221,8 +260,9 @@ class IndexDB:
             with self.engine.connect() as connection:
                 return action(connection)
         except DatabaseError as exc:
-            if self._is_corrupt(exc):
-                raise self._corrupt(exc) from exc
+            failure = self._failure(exc)
+            if failure is not None:
+                raise failure from exc
             raise
 
     def write(self, action: Callable[[Connection], T]) -> T:
@@ -232,8 +272,9 @@ class IndexDB:
                 with self._writing() as connection:
                     return action(connection)
             except DatabaseError as exc:
-                if self._is_corrupt(exc):
-                    raise self._corrupt(exc) from exc
+                failure = self._failure(exc)
+                if failure is not None:
+                    raise failure from exc
                 if not _retryable(exc) or attempt == WRITE_RETRIES - 1:
                     raise
                 time.sleep(0.05 * 2**attempt)
@@ -246,6 +287,27 @@ class IndexDB:
             connection.execution_options(**{WRITING: True})
             with connection.begin():
                 yield connection
+
+    def _failure(self, exc: DatabaseError) -> FlareError | None:
+        """The error a user can act on, for a DB that is corrupt or whose disk is full."""
+        if self._is_corrupt(exc):
+            return self._corrupt(exc)
+        if _disk_full(exc, self.sqlite_path):
+            return self._full(exc)
+        return None
+
+    def _full(self, exc: DatabaseError) -> FlareError:
+        """Exit 8, saying where space must be freed. The transaction was rolled back, so the
+        same command works once there is room (a DB being created is created then)."""
+        if self.sqlite_path is not None:
+            where = f"the filesystem holding {self.sqlite_path.parent}"
+        else:
+            where = "the PostgreSQL server's disk (its data folder or the DB's tablespace)"
+        reason = str(exc.orig or exc).splitlines()[0]
+        return NoSpaceError(
+            f"cannot write the index DB {self._where()}: the disk is full ({reason})",
+            f"free space on {where}, then run the command again",
+        )
 
     def _is_corrupt(self, exc: Exception) -> bool:
         message = str(exc).lower()

@@ -5,14 +5,17 @@ names; each root keeps its index and every blob its manifest names. A bad ref fi
 collection before it deletes anything: what the file was meant to name could be swept.
 Forget: name records of the packages the sweep will delete (unrooted, index old enough) go
 first, index DB rows then ref files, so a package a reader finds recorded is never half swept.
-Sweep: a blob nobody reaches is deleted only if it was not touched within the grace period, nor
+Sweep: a blob nobody reaches is swept only if it was not touched within the grace period, nor
 since the start of a live build lease, checked again just before it goes; roots are read again
-every REREAD_ROOTS_S of the sweep. Deleting one blob file is atomic, so a collector killed at
-any point leaves a store whose every remaining blob is intact. Then index DB rows of packages
-whose index is gone are dropped (a collector of an older flare, killed between removing a
-record's file and its rows, left them listed), and the signatures and marks files of swept
-packages are removed (registry/marks.py). docs/package-format.md ("Garbage collection") says
-what a reader sees at each step.
+every REREAD_ROOTS_S of the sweep. It goes to the trash first (store/trash.py): with the roots
+read once more, a swept blob that a root now reaches, or that a writer touched between the last
+check and the move, is put back, and the others are deleted (on a shared registry, by a later
+gc, once every host's view of the move has settled). Moving or deleting one blob file is
+atomic, so a collector killed at any point leaves a store whose every remaining blob is intact.
+Then index DB rows of packages whose index is gone are dropped (a collector of an older flare,
+killed between removing a record's file and its rows, left them listed), and the signatures and
+marks files of swept packages are removed (registry/marks.py). docs/package-format.md
+("Garbage collection") says what a reader sees at each step.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from flare.registry.leases import drop_expired_leases, live_leases
 from flare.registry.marks import Marked
 from flare.registry.refs import BadRef, RefScan
 from flare.registry.registry import Registry
+from flare.store import trash
 from flare.store.blobs import blob_key
 from flare.store.digest import Digest
+from flare.store.errors import NotFoundError
 from flare.store.safetensors import FormatError
 from flare.store.sweep import unmarked
 
@@ -51,6 +56,11 @@ class GcReport:
     """Signature files of swept packages, removed."""
     marks: list[str] = field(default_factory=list)
     """Marks files of swept packages, removed."""
+    put_back: list[str] = field(default_factory=list)
+    """Blobs taken back from the trash: a root reaches them now, or a writer touched them
+    between the sweep's last look and the move (store/trash.py)."""
+    in_trash: int = 0
+    """Bytes of swept blobs left in the trash for a later gc (a shared registry's window)."""
 
 
 @dataclass(frozen=True)
@@ -141,13 +151,16 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
             if modified >= old_before:
                 report.kept_recent += 1
                 continue
+            if not dry_run:
+                crash_point("gc:doomed")
+                if not trash.discard(registry.store, key, modified):
+                    continue
+                crash_point("gc:sweep")
             report.deleted.append(f"blake3:{hex_digest}")
             report.freed_bytes += size
-            if not dry_run:
-                registry.store.backend.remove(key)
-                crash_point("gc:sweep")
     report.roots = len(found.packages)
     if not dry_run:
+        found = _empty_trash(registry, report, found, Reached(marked, since))
         report.forgotten += registry.drop_rows_of_gone_packages(keep=found.packages)
         report.signatures = signatures.drop_orphans(registry.store)
         report.marks = marks.drop_orphans(registry.store)
@@ -186,3 +199,64 @@ def _reread(registry: Registry, found: Roots, since: set[str], keep: bool) -> Ro
     since.update(fresh.blobs)
     packages, blobs = found.packages | fresh.packages, found.blobs | fresh.blobs
     return replace(found, packages=packages, blobs=blobs, build_start=fresh.build_start)
+
+
+class Reached:
+    """What the roots reach: the mark's, and those of the roots read again since (leases'
+    single blobs included); the mark's decoded one fan-out folder at a time, once."""
+
+    def __init__(self, marked: Marked, since: set[str]) -> None:
+        self.marked = marked
+        self.since = since
+        self._folders: dict[str, set[str]] = {}
+
+    def __contains__(self, hex_digest: str) -> bool:
+        if hex_digest in self.since:
+            return True
+        folder = hex_digest[:2]
+        if folder not in self._folders:
+            self._folders[folder] = set().union(*self.marked.in_folder(folder))
+        return hex_digest in self._folders[folder]
+
+
+def trash_window_s(registry: Registry) -> float:
+    """How long a swept blob stays in the trash before a gc may delete it: on a shared
+    registry, a writer's touch through a client's stale view can land on it up to a cache
+    window after the move, and shows to this host a cache window later; the time of the move
+    is another host's clock. 0 on a local disk: the same gc empties it."""
+    return registry.gc_margin_s + registry.cache_window_s
+
+
+def _empty_trash(registry: Registry, report: GcReport, found: Roots, reached: Reached) -> Roots:
+    """The sweep's second phase, with the roots read again: each blob in the trash for the
+    window is put back if a root reaches it now or a writer touched it before the move, else
+    deleted. Returns the roots as read."""
+    store, cutoff = registry.store, time.time() - trash_window_s(registry)
+    due = []
+    for entry in trash.entries(store):
+        if entry.trashed > cutoff:
+            report.in_trash += entry.size
+        else:
+            due.append(entry)
+    if due:  # read after the listing: a lease written before any listed move is seen
+        found = _reread(registry, found, reached.since, keep=True)
+    for entry in due:
+        crash_point("gc:empty")
+        try:
+            if entry.touched or entry.digest.hex in reached:
+                trash.put_back(store, entry)
+                _taken_back(report, entry)
+            else:
+                trash.delete(store, entry)
+        except NotFoundError:
+            continue  # put back or deleted by another collector meanwhile
+    return found
+
+
+def _taken_back(report: GcReport, entry: trash.Trashed) -> None:
+    """Report a blob put back: not deleted, if this gc swept it."""
+    name = str(entry.digest)
+    report.put_back.append(name)
+    if name in report.deleted:
+        report.deleted.remove(name)
+        report.freed_bytes -= entry.size

@@ -106,7 +106,7 @@ def check_index_place(registry: Registry) -> None:
 def sync(registry: Registry, window_s: float) -> list[str]:
     """Bring this host's index up to date with the store; return notes for the user."""
     assert registry.db.sqlite_path is not None
-    bookkeeping.create_all(registry.db.engine)
+    registry.db.write(bookkeeping.create_all)  # a full disk is exit 8, as every DB write
     with _host_lock(registry.db.sqlite_path):
         now = time.time()
         synced = registry.db.read(_synced_at)

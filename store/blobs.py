@@ -54,6 +54,8 @@ QUARANTINE_DIR = "quarantine"
 _QUARANTINED = re.compile(
     rf"([0-9a-f]{{{HEX_LENGTH}}})({re.escape(Encoding.ZSTD.suffix)})?\.[0-9]+"
 )
+TRASH_DIR = "trash"
+"""Where gc's sweep moves blobs before it deletes them (store/trash.py)."""
 CONFIRM_AFTER_S = 5.0
 """On a network filesystem, a blob that read wrong twice is read once more this much later
 before verify calls it corrupt: long enough for a client's stale read to pass."""
@@ -113,6 +115,7 @@ class StoreUsage:
     stored_bytes: int
     temp_bytes: int
     quarantine_bytes: int
+    trash_bytes: int
     free_bytes: int | None
 
 
@@ -262,15 +265,20 @@ class BlobStore:
 
     def absent(self, names: Iterable[str]) -> list[str]:
         """The names that are hex digests of no stored blob: the side files (signatures,
-        marks) of packages whose index gc swept. Names that are not digests are left out."""
+        marks) of packages whose index gc swept. Names that are not digests are left out, and
+        so are blobs in the trash (a later gc may put one back: store/trash.py)."""
         gone = []
         for name in names:
             try:
-                if not self.has(Digest(name)):
+                if not self.has(Digest(name)) and not self._in_trash(name):
                     gone.append(name)
             except InvalidInputError:
                 continue
         return gone
+
+    def _in_trash(self, hex_digest: str) -> bool:
+        listed = self.backend.list_dir(f"{TRASH_DIR}/{hex_digest[:2]}")
+        return any(name.startswith(f"{hex_digest}.") for name in listed)
 
     def iter_blobs(self, stray: list[str] | None = None) -> Iterator[BlobInfo]:
         """Every stored blob; files that are not blobs are appended to `stray` if given."""
@@ -709,6 +717,7 @@ class BlobStore:
             stored_bytes=sum(i.stored_size for i in infos),
             temp_bytes=_total(self.backend.iter_files(TMP_DIR)),
             quarantine_bytes=_total(self.backend.iter_files(QUARANTINE_DIR)),
+            trash_bytes=_total(self.backend.iter_files(TRASH_DIR)),
             free_bytes=self.backend.free_bytes(),
         )
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -86,6 +88,43 @@ def start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
+
+
+def stopped_at(env: dict[str, str], points: str, *args: str) -> subprocess.Popen[str]:
+    """Start the flare command, set to stop (SIGSTOP) at crash points (`NAME[:N],...`, faults.py);
+    return once it stopped at the first."""
+    process = start(env | {"FLARE_STOP_AT": points}, *args)
+    wait_stopped(process, points)
+    return process
+
+
+def wait_stopped(process: subprocess.Popen[str], point: str) -> None:
+    """Wait until the process has stopped (at `point`, which the message names)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        state = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "T":
+            return
+        assert process.poll() is None, f"ended before {point}: {process.communicate()}"
+        time.sleep(0.02)
+    process.kill()
+    raise AssertionError(f"never reached {point}")
+
+
+def carry_on(process: subprocess.Popen[str]) -> str:
+    """Let a stopped command go on; it must succeed. Returns what it printed."""
+    process.send_signal(signal.SIGCONT)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err
+    return out
+
+
+def age(folder: Path, seconds: float) -> None:
+    """Set every file under folder back in time, as if written that long ago."""
+    then = time.time() - seconds
+    for path in folder.rglob("*"):
+        if path.is_file():
+            os.utime(path, (then, then), follow_symlinks=False)
 
 
 def tiny_source(root: Path, seed: int) -> Path:

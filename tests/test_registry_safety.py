@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from registry_helpers import BACKENDS, flare, lab_env, start, tiny_sources
+from registry_helpers import BACKENDS, age, flare, lab_env, start, stopped_at, tiny_sources
 
 from flare.build.tiny import make_synthetic_llama
 from flare.registry.registry import Registry
@@ -80,8 +80,10 @@ def test_gc_while_a_copy_pulls_and_while_a_server_holds(
         "FLARE_DATABASE": f"sqlite:///{tmp_path / 'origin.db'}",
     }
     flare(origin, "build", str(sources / "synthetic"), "--name", "syn", "--payload-size", "1M")
-    copy = start(
+    age(tmp_path / "origin" / "blobs", 3600)  # built an hour ago: linked blobs look that old
+    copy = stopped_at(
         lab,
+        "copy:publish",  # every blob linked or copied, the tag not written yet
         "registry",
         "copy",
         "syn",
@@ -90,6 +92,8 @@ def test_gc_while_a_copy_pulls_and_while_a_server_holds(
         "--to",
         lab["FLARE_REGISTRY"],
     )
+    flare(lab, "registry", "gc", "--grace", "0")
+    copy.send_signal(signal.SIGCONT)
     gc_until(lab, copy)
     assert copy.wait() == 0, copy.stderr.read() if copy.stderr else ""
     flare(lab, "registry", "verify", "syn")

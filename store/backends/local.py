@@ -424,6 +424,9 @@ class LocalBackend:
             return None
         try:  # read-only from now on, so the bytes we hash are the bytes we publish
             os.fchmod(handle.fileno(), 0o444)
+            # and new from now on: the blob will be this inode, and gc tells a blob just
+            # stored from garbage by its modification time, which is still the source's
+            os.utime(handle.fileno())
         except PermissionError:  # not our file to freeze: copy it instead
             handle.close()
             path.unlink(missing_ok=True)

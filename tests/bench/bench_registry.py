@@ -57,6 +57,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -589,7 +590,25 @@ def bench_gc(workdir: Path, count: int, repeat: int, live: float) -> Section:
         ],
         repeat,
     )
-    section.timings = [keep, sweep, single, find, find_stat]
+    doomed = workdir / f"gc-{live:g}-doomed.txt"
+    swept = gc.collect(registry, grace_s=0, dry_run=True).deleted
+    doomed.write_text("".join(f"{blob_key(Digest.parse(d), Encoding.PLAIN)}\n" for d in swept))
+    deleting = Timing("collect(grace_s=0), deleting: into the trash, then out of it")
+    rm = Timing("ref: xargs rm of the same blob files")
+    log("timing gc that deletes, on a fresh copy of the store each run")
+    on_copies(
+        location,
+        repeat,
+        [
+            (deleting, lambda copy: partial(gc.collect, open_registry(copy, home), 0)),
+            (rm, lambda copy: shell(f"cd {copy} && xargs -a {doomed} rm -f")),
+        ],
+    )
+    section.timings = [keep, sweep, single, find, find_stat, deleting, rm]
+    section.notes.append(
+        f"gc that deletes {len(swept)} blobs / rm of those files: "
+        f"{deleting.median / rm.median:.2f}x (each on a fresh copy of the store)"
+    )
     section.notes.append(
         f"the sweep runs in {processes} processes (one per core, at most "
         f"{MAX_SWEEP_PROCESSES}); in one process it takes {single.median / find.median:.2f}x find"
@@ -605,6 +624,22 @@ def bench_gc(workdir: Path, count: int, repeat: int, live: float) -> Section:
     if section.missed():
         section.diagnosis = explain_gc(registry, blobs, find.median)
     return section
+
+
+def on_copies(
+    store: Path, repeat: int, cases: list[tuple[Timing, Callable[[Path], Callable[[], object]]]]
+) -> None:
+    """Time actions that change a store, each run on a fresh copy of it (copied untimed): a
+    case gives the action to time for the copy's folder."""
+    copy = store.with_name(f"{store.name}-copy")
+    for _ in range(repeat):
+        for timing, prepare in cases:
+            shutil.rmtree(copy, ignore_errors=True)
+            subprocess.run(["cp", "-a", str(store), str(copy)], check=True)
+            os.sync()  # the copy's writeback is not what is timed
+            action = prepare(copy)
+            timing.runs.append(timed(action))
+    shutil.rmtree(copy, ignore_errors=True)
 
 
 def collect_in_one_process(registry: Registry) -> object:

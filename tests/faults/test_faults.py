@@ -121,8 +121,13 @@ def test_hostile_requests(hostile: Outcome, number: int) -> None:
 
 NEW = [
     pytest.param("corrupt-blob/flip-index:1"),
-    pytest.param("disk-full/registry-small:7"),
+    pytest.param("disk-full/registry-small:3"),
+    pytest.param("disk-full/registry-small:4"),
 ]
+"""Seeds that meet the fault every time (the lab's checkpoints and sizes are fixed): the index
+blob flipped; the registry on a 457k tmpfs, where the blobs fit and SQLite's WAL does not take
+the publish's rows, and on a 51k one, where the new index DB cannot be made. (Seed 7 drew 540k,
+which the build now fits in: it passed whatever flare did.)"""
 
 
 @pytest.mark.parametrize("trial", NEW)
