@@ -26,6 +26,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from flare.build.target import MAX_CONCURRENCY, PREFILL_CHUNK
 from flare.config import (
     SETTINGS,
     Config,
@@ -33,6 +34,7 @@ from flare.config import (
     load_config,
     parse_duration,
     parse_size,
+    parse_target,
     record_signing_key,
 )
 from flare.registry.database import UnusableIndexError
@@ -264,11 +266,30 @@ def build_command(
             help="Build from files that link out of the checkpoint folder (refused by default).",
         ),
     ] = False,
+    prepare_for: Annotated[
+        str | None,
+        typer.Option(
+            "--target",
+            help="What to prepare (tune, compile) for: cpu, cuda, none, or auto (this host's "
+            "device; default: the config's build.target)."
+        ),
+    ] = None,
+    max_concurrency: Annotated[
+        int, typer.Option(help="The largest decode batch the package plans for.")
+    ] = MAX_CONCURRENCY,
+    prefill_chunk: Annotated[
+        int, typer.Option(help="Prompt tokens prefilled in one step at most.")
+    ] = PREFILL_CHUNK,
+    retune: Annotated[
+        bool,
+        typer.Option("--retune", help="Tune again instead of reusing the kernel cache's records."),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Build a package from a checkpoint, resumably, and publish it to the registry."""
     from flare.build.check import check_build
     from flare.build.pipeline import Build, BuildRequest
+    from flare.build.target import resolve_target
 
     config = load_config()
     target = open_registry(registry, create=check is None)
@@ -302,6 +323,11 @@ def build_command(
         allow_outside_links=allow_outside_links,
         staging=config["paths.export_staging"],
         hub_cache=config["paths.hub_cache"],
+        target=resolve_target(parse_target(prepare_for or config["build.target"])),
+        max_concurrency=max_concurrency,
+        prefill_chunk=prefill_chunk,
+        kernel_cache=config["paths.kernel_cache"],
+        retune=retune,
     )
     with progress.bar:
         result = Build(request, target, progress, sign=configured_signer(config)).run()

@@ -32,6 +32,13 @@ from flare.build.recipes.base import Recipe, check_tensors
 from flare.build.rendezvous import Rendezvous
 from flare.build.sources import Source, resolve_source
 from flare.build.statcache import StatCache, digest_files
+from flare.build.target import (
+    MAX_CONCURRENCY,
+    PREFILL_CHUNK,
+    Preparation,
+    check_runtime_options,
+    preparation,
+)
 from flare.model_sizes import check_sizes
 from flare.registry.leases import Lease, add_to_lease, hold_lease
 from flare.registry.registry import Registry
@@ -75,15 +82,39 @@ class BuildRequest:
     allow_outside_links: bool = False
     """Build from files that link out of the checkpoint folder (refused by default). It only
     permits: the package is the same bytes either way, so it is not a recorded option."""
+    target: str = "none"
+    """What tune and compile prepare the package for: cpu, cuda, or none (nothing: an eager
+    package that serves on any host). `flare build` defaults to the build host's device."""
+    max_concurrency: int = MAX_CONCURRENCY
+    """The largest decode batch the package plans for (serve runs at most this many)."""
+    prefill_chunk: int = PREFILL_CHUNK
+    """Prompt tokens prefilled in one step at most (one longer prompt still runs alone)."""
+    kernel_cache: Path | None = None
+    """Where tuning records and compiled forwards are kept across builds, keyed by shapes and
+    toolchain (paths.kernel_cache); None: every build tunes and compiles afresh."""
+    retune: bool = False
+    """Measure again rather than take the kernel cache's tuning records."""
+    records: tuple[dict[str, Any], ...] | None = None
+    """Tuning records to build with instead of tuning (--check takes the package's own)."""
 
     def options(self) -> dict[str, Any]:
         """The options that shape the package, recorded in its manifest."""
+        return {
+            "ranks": self.ranks,
+            "payload_bytes": self.payload_bytes,
+            "target": self.target,
+            "max_concurrency": self.max_concurrency,
+            "prefill_chunk": self.prefill_chunk,
+        }
+
+    def layout_options(self) -> dict[str, Any]:
+        """The options that shape the payloads (the shard phase's)."""
         return {"ranks": self.ranks, "payload_bytes": self.payload_bytes}
 
     def recorded(self) -> dict[str, Any]:
         """The request as the journal keeps it (for --check), without host-only settings."""
         kept = asdict(self)
-        for host_only in ("workers", "rendezvous", "timeout"):
+        for host_only in ("workers", "rendezvous", "timeout", "kernel_cache", "retune", "records"):
             kept.pop(host_only)
         return {k: str(v) if isinstance(v, Path) else v for k, v in kept.items()}
 
@@ -136,6 +167,7 @@ class Build:
             raise InvalidInputError("--model-id must be 1 to 256 characters", "shorten it")
         if request.rendezvous is not None and request.ranks < 2:
             raise InvalidInputError("--rendezvous needs --ranks 2 or more", "add --ranks N")
+        check_runtime_options(request.target, request.max_concurrency, request.prefill_chunk)
         self.request = request
         self.registry = registry
         self.store = registry.store
@@ -213,14 +245,32 @@ class Build:
             if self.leader is not None:
                 self.leader.share(self, plan, files)
             plan_digest = _digest_of([p.describe() for p in plan])
+            prepared = self._preparation(recipe)
             tuning = self._empty_phase("tune", {"plan": plan_digest}, "records")
             compiled = self._empty_phase(
                 "compile", {"plan": plan_digest, "tune": _digest_of(tuning)}, "artifacts"
             )
             assembled = self._assemble(plan, files, recipe, compiled)
-            manifest = self._manifest(source, files, recipe, config, assembled, build_key)
+            manifest = self._manifest(source, files, recipe, config, assembled, build_key, prepared)
             digest = self._publish(manifest)
         return BuildResult(self.request.name, self.request.tag, digest, manifest, self.reports)
+
+    def _preparation(self, recipe: Recipe) -> Preparation:
+        """What tune and compile prepare, with the toolchain the build host has for it."""
+        request = self.request
+        prepared = preparation(
+            request.target,
+            recipe.compiled_forward,
+            request.ranks,
+            request.max_concurrency,
+            request.prefill_chunk,
+        )
+        if request.target != "none" and not prepared.prepares:
+            self.events.note(
+                f"nothing to prepare for --target {request.target}: the package serves eagerly "
+                f"({'an embedding model' if not recipe.compiled_forward else 'several ranks'})"
+            )
+        return prepared
 
     # -- phases ----------------------------------------------------------------------------
 
@@ -270,7 +320,7 @@ class Build:
             "tensors": _digest_of([asdict(t) for t in tensors.values()]),
             "files": {n: f["digest"] for n, f in files.items()},
             "recipe": _recipe_id(recipe),
-            "options": request.options(),
+            "options": request.layout_options(),
         }
 
         def shard() -> tuple[dict, int, list]:
@@ -389,6 +439,7 @@ class Build:
         config: dict,
         assembled: dict,
         build_key: Digest,
+        prepared: Preparation,
     ) -> Manifest:
         architecture = config["architectures"][0]
         return Manifest.model_validate_json(
@@ -405,7 +456,7 @@ class Build:
                     "recipe": {**_recipe_id(recipe), "architecture": architecture},
                     "options": self.request.options(),
                     "ranks": self.request.ranks,
-                    "toolchain": {"runtime_abi": RUNTIME_ABI},
+                    "toolchain": {"runtime_abi": RUNTIME_ABI, **prepared.toolchain},
                     "payloads": assembled["payloads"],
                     "artifacts": assembled["artifacts"],
                     "inputs": str(build_key),

@@ -21,10 +21,13 @@ def store(tmp_path: Path) -> BlobStore:
 
 @pytest.fixture
 def flare_env(tmp_path: Path) -> dict[str, str]:
-    """An environment where flare sees no user config and keeps everything under tmp_path."""
+    """An environment where flare sees no user config and keeps everything under tmp_path.
+    Builds prepare nothing (target none) unless a test asks: compiling a forward takes a
+    minute on two cores, so tests/test_compiled.py does it once per session."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
     env["FLARE_HOME"] = str(tmp_path / "home")
     env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    env["FLARE_BUILD_TARGET"] = "none"
     return env
 
 

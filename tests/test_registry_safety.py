@@ -34,6 +34,7 @@ def lab(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, st
     """The environment of a lab host: a shared registry folder and the index DB URL."""
     with database(request.param, tmp_path) as url:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+        env["FLARE_BUILD_TARGET"] = "none"  # eager packages: tests/test_compiled.py compiles
         env |= {
             "FLARE_HOME": str(tmp_path / "home"),
             "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
@@ -188,6 +189,7 @@ def test_hosts_building_tagging_pinning_and_collecting_at_once(
 
 def test_reindex_after_losing_or_corrupting_the_sqlite_index(tmp_path: Path, sources: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+    env["FLARE_BUILD_TARGET"] = "none"  # eager packages: tests/test_compiled.py compiles
     env |= {"FLARE_HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
     flare(env, "build", str(sources / "tiny-0"), "--name", "alpha", "--tag", "v1")
     flare(env, "build", str(sources / "tiny-1"), "--name", "beta")
