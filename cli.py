@@ -271,7 +271,7 @@ def build_command(
         typer.Option(
             "--target",
             help="What to prepare (tune, compile) for: cpu, cuda, none, or auto (this host's "
-            "device; default: the config's build.target)."
+            "device; default: the config's build.target).",
         ),
     ] = None,
     max_concurrency: Annotated[
@@ -344,6 +344,7 @@ def _print_check(ref: str, checked: CheckResult, as_json: bool) -> None:
                 "identical": checked.identical,
                 "source_files": checked.source_files,
                 "payloads": checked.payloads,
+                "artifacts": checked.artifacts,
             }
         )
     elif checked.identical:
@@ -357,6 +358,8 @@ def _print_check(ref: str, checked: CheckResult, as_json: bool) -> None:
                 f"  payload not reproduced: {payload['digest']} ranks {payload['ranks']} "
                 f"(first tensor {payload['first_tensor']})"
             )
+        for artifact in checked.artifacts:
+            out.print(f"  artifact not reproduced: {artifact['path']} ({artifact['digest']})")
     if not checked.identical:
         raise typer.Exit(IntegrityError.exit_code)
 

@@ -42,6 +42,16 @@ CPU_FEATURES = (
 to -mamx-fp16): a kernel built where one is present may need it where it runs."""
 
 
+FORWARD_SOURCES = (
+    "serve/models/llama.py",
+    "serve/engine/attention_op.py",
+    "serve/engine/runner.py",
+    "serve/compiled.py",
+)
+"""flare's code a compiled forward is traced from (model, attention operator, the step's
+inputs, the compile settings): a change to it changes the graph Inductor looks up."""
+
+
 def host_target() -> str:
     """The build host's own device: cuda where torch sees a GPU, cpu where torch is installed,
     none where it is not (a host without the runtime can prepare nothing for it)."""
@@ -59,7 +69,11 @@ def detect(target: str) -> dict[str, Any]:
         return {}
     import torch
 
-    found: dict[str, Any] = {"torch": torch.__version__, "python": _python()}
+    found: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": _python(),
+        "forward_code": forward_code(),
+    }
     if target == "cpu":
         found["cpu_isa"] = torch.backends.cpu.get_cpu_capability()
         found["cpu_features"] = cpu_features()
@@ -69,6 +83,15 @@ def detect(target: str) -> dict[str, Any]:
     found["triton"] = package_version("triton")
     found["flashinfer"] = package_version("flashinfer-python")
     return found
+
+
+def forward_code() -> str:
+    """A short digest of FORWARD_SOURCES as this flare has them."""
+    from flare.store.hashing import hash_bytes
+
+    root = Path(__file__).parent
+    text = b"".join(name.encode() + b"\0" + (root / name).read_bytes() for name in FORWARD_SOURCES)
+    return hash_bytes(text).hex[:16]
 
 
 def gpu_archs() -> list[str]:

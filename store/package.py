@@ -115,6 +115,8 @@ class Toolchain(Strict):
     """torch's CPU capability level on the build host: DEFAULT, AVX2, AVX512, ..."""
     cpu_features: tuple[str, ...] = ()
     """The x86 features the build host had that C++ kernels may use (toolchain.CPU_FEATURES)."""
+    forward_code: str | None = None
+    """Digest of flare's code the compiled forward was traced from (toolchain.FORWARD_SOURCES)."""
 
 
 class Split(Strict):
