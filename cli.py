@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -773,9 +774,15 @@ RevisionOption = Annotated[
 
 
 def pull_into_cache(
-    ref: str, registry: str | None, device: str | None, revision: str | None, accept: str | None
+    ref: str,
+    registry: str | None,
+    device: str | None,
+    revision: str | None,
+    accept: str | None,
+    compiles: bool = False,
 ) -> Any:
     """Admission (signature, compatibility, disk, memory), then the missing blobs, with a bar.
+    `compiles`: the server compiles at start, so compiled artifacts need not match this host.
 
     Returns the source registry, the host cache and the pull report."""
     _require_serve_extra()
@@ -791,7 +798,7 @@ def pull_into_cache(
     chosen = choose_device(device)
     request = PullRequest(
         ref=ref,
-        host=detect_toolchain(chosen, served_recipes()),
+        host=detect_toolchain(chosen, served_recipes(), compiles),
         policy=trust.load_policy(config),
         reserve=config["memory.reserve"] + kv_cache_reservation(chosen),
         revision=revision,
@@ -865,6 +872,14 @@ def serve_command(
     device: DeviceOption = None,
     revision: RevisionOption = None,
     accept: AcceptOption = None,
+    compile_on_start: Annotated[
+        bool,
+        typer.Option(
+            "--compile-on-start",
+            help="Compile the forward at start (the package's compiled artifacts, if any, are "
+            "not used, so they need not match this host).",
+        ),
+    ] = False,
     api_key: Annotated[
         str | None,
         typer.Option(envvar="FLARE_API_KEY", help="Require `Authorization: Bearer KEY`."),
@@ -886,13 +901,24 @@ def serve_command(
     from flare.serve.server import listen, run_server
 
     sock = listen(host, port)
-    source, cache, report = pull_into_cache(ref, registry, device, revision, accept)
+    times = {"start": time.perf_counter()}
+    source, cache, report = pull_into_cache(
+        ref, registry, device, revision, accept, compile_on_start
+    )
     plan = report.plan
+    times["pulled"] = time.perf_counter()
     with hold_lease(source.store, "serve", packages=[plan.digest]):
         runtime, app_ = load_package_app(
-            source, cache, plan, kv_cache_tokens, api_key, attention.value
+            source,
+            cache,
+            plan,
+            kv_cache_tokens,
+            api_key,
+            attention.value,
+            "start" if compile_on_start else "package",
         )
-        run_server(app_, runtime, sock, _say_ready(plan))
+        times["loaded"] = time.perf_counter()
+        run_server(app_, runtime, sock, _say_ready(plan, runtime, times))
 
 
 def load_package_app(
@@ -902,11 +928,10 @@ def load_package_app(
     kv_cache_tokens: int | None,
     api_key: str | None,
     attention: str = "auto",
+    compile_mode: str = "package",
 ) -> tuple[Any, Any]:
     """Load the pulled package on the device pull admitted it for (printing what it cost)
     and make its API app."""
-    import time
-
     from flare.serve.api import ServedPackage, create_app
     from flare.serve.runtime import load_runtime
 
@@ -918,6 +943,8 @@ def load_package_app(
         kv_cache_tokens,
         memory_reserve=load_config()["memory.reserve"],
         attention=attention,
+        compile_mode=compile_mode,
+        compile_root=cache.root / "compiled",
     )
     weights = sum(p.size for p in plan.manifest.payloads)
     kv = runtime.kv_stats()
@@ -949,9 +976,17 @@ def _created(source: Registry, plan: Any) -> int:
     return int(datetime.fromisoformat(record.created).timestamp()) if record else 0
 
 
-def _say_ready(plan: Any) -> Any:
+def _say_ready(plan: Any, runtime: Any, times: dict[str, float]) -> Any:
+    """The ready line: where, start-to-ready and its parts, how the forward runs."""
+
     def ready(url: str) -> None:
-        sys.stdout.write(f"serving {plan.manifest.name}@{plan.digest} at {url}\n")
+        now = time.perf_counter()
+        timeline = runtime.start_report.timeline(
+            pull=times["pulled"] - times["start"],
+            load=times["loaded"] - times["pulled"],
+            total=now - times["start"],
+        )
+        sys.stdout.write(f"serving {plan.manifest.name}@{plan.digest} at {url} ({timeline})\n")
         sys.stdout.flush()
 
     return ready

@@ -40,7 +40,7 @@ def tuning_inputs(prepared: Preparation, shapes: dict[str, int]) -> dict[str, An
     return {
         "format": TUNE_FORMAT,
         "target": prepared.target,
-        "toolchain": prepared.toolchain,
+        "toolchain": {k: v for k, v in prepared.toolchain.items() if k != "forward_code"},
         "shapes": shapes,
         "decode_batch_sizes": prepared.plan()["decode_batch_sizes"],
     }

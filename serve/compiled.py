@@ -48,7 +48,9 @@ def settings() -> None:
     The choices are part of Inductor's cache keys, so build and serve must make the same:
     kernels that read the thread count at run time (not one compiled per core count), ISA
     detection from the CPU's flags (not by building a probe per ISA, 17 s here), a fixed
-    -march per ISA level, and the compiler hook below."""
+    -march per ISA level, no precompiled headers (with them, loading a kernel runs the
+    preprocessor to key the header: a server would need a C++ compiler), and the compiler
+    hook below."""
     global _installed
     if _installed:
         return
@@ -57,6 +59,7 @@ def settings() -> None:
     inductor.cpp.dynamic_threads = True
     inductor.cpp.vec_isa_ok = True
     inductor.cpp.march = MARCH.get(torch.backends.cpu.get_cpu_capability())
+    inductor.cpp_cache_precompile_headers = False
     _hook_compiler()
     compilations.watch()
     _installed = True
@@ -66,18 +69,18 @@ def _hook_compiler() -> None:
     """Every C++ build Inductor runs, counted, and with source paths made relative.
 
     Inductor compiles `<cache dir>/xx/<key>.cpp` by absolute path, and its bounds checks
-    (TORCH_CHECK) embed __FILE__, so a kernel built in another cache folder differed in those
-    bytes; mapping the cache and precompiled-header folders away makes the same source give
-    the same shared object wherever it is built. The cache keys do not include the map: they
+    (TORCH_CHECK) embed __FILE__, as does the debug line table, so a kernel built in another
+    cache folder differed in those bytes; mapping the cache folder away makes the same source
+    give the same shared object wherever it is built. The cache keys do not include the map: they
     are computed before the command runs."""
-    from torch._inductor import codecache, cpp_builder
+    from torch._inductor import cpp_builder
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     run = cpp_builder.run_compile_cmd
 
     def compile_relative(cmd_line: str, cwd: str) -> None:
         compilations.note("kernels")
-        maps = (f"{cache_dir()}/=", f"{codecache._HEADER_DIR}/=pch/")
+        maps = (f"{cache_dir()}/=",)
         run(cmd_line + "".join(f" {shlex.quote('-ffile-prefix-map=' + m)}" for m in maps), cwd)
 
     cpp_builder.run_compile_cmd = compile_relative
