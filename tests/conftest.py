@@ -31,6 +31,13 @@ def flare_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+@pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """paths.kernel_cache shared by the session's builds: a forward of given shapes compiles
+    once per test run (a minute on two cores), then every build of those shapes reuses it."""
+    return tmp_path_factory.mktemp("kernel-cache")
+
+
 RunFlare = Callable[..., subprocess.CompletedProcess[str]]
 
 
