@@ -10,8 +10,9 @@ is packed) and with TORCHINDUCTOR_CACHE_DIR set before the compiler is imported.
 PYTHONHASHSEED so nothing ordered by a string hash differs between builds.
 
 tune writes the tuning records (serve/tuning.py). compile writes `forward.tar`, the Inductor
-cache folder of the compiled forward (serve/inductor_archive.py), and `result.json`: the shapes
-it covers and what compiling it took. A failure prints one line on stderr and exits 1.
+cache folder of the compiled forward (serve/inductor_archive.py) with, on CUDA, the FlashInfer
+modules its attention built (serve/flashinfer_modules.py), and `result.json`: the shapes it
+covers and what compiling it took. A failure prints one line on stderr and exits 1.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flare.serve import compilations
+from flare.serve import compilations, flashinfer_modules
 from flare.serve.compiled import CompiledForward, use_cache_folder, warm_up
 from flare.serve.engine.attention import make_attention
 from flare.serve.engine.block_manager import BlockManager
@@ -44,6 +45,8 @@ def compile_forward(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     pack that cache, and say what it covers."""
     started = time.perf_counter()
     use_cache_folder(out / "inductor")
+    if spec["target"] == "cuda":
+        flashinfer_modules.build_into(out)
     decisions = Decisions.from_records(spec["records"])
     device, dtype = torch.device(spec["target"]), decisions.torch_dtype
     recipe = spec["recipe"]
@@ -65,6 +68,8 @@ def compile_forward(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     made = compilations.snapshot() - before
     if made.compiled != 1 or made.traced != 1:
         raise RuntimeError(f"the forward compiled into {made.describe()}, not one graph")
+    if spec["target"] == "cuda":
+        flashinfer_modules.collect(out, out / "inductor")
     members = pack(out / "inductor", out / ARCHIVE)
     shapes = {
         **spec["plan"],

@@ -22,7 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from torch import nn
 
-from flare.serve import compilations
+from flare.serve import compilations, flashinfer_modules
 from flare.serve.artifacts import RuntimeArtifacts, StartReport, runtime_artifacts
 from flare.serve.compilations import Compilations
 from flare.serve.compiled import CompiledForward, use_cache_folder, warm_up
@@ -309,6 +309,8 @@ def _start_forward(
     if prepared.archive is not None:
         unpack(prepared.archive, prepared.folder)
     use_cache_folder(prepared.folder)
+    if device.type == "cuda":
+        flashinfer_modules.use_modules(prepared.folder)
     runner = ModelRunner(model, attention, block, device, CompiledForward(model))
     report = StartReport(prepared.forward, artifacts=time.perf_counter() - started)
     before = compilations.snapshot()
