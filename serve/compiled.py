@@ -46,17 +46,18 @@ def settings() -> None:
     """Configure Inductor as every flare compile and load does (idempotent).
 
     The choices are part of Inductor's cache keys, so build and serve must make the same:
-    kernels that read the thread count at run time (not one compiled per core count), ISA
-    detection from the CPU's flags (not by building a probe per ISA, 17 s here), a fixed
-    -march per ISA level, no precompiled headers (with them, loading a kernel runs the
-    preprocessor to key the header: a server would need a C++ compiler), and the compiler
-    hook below."""
+    single-threaded fused kernels (matrix products still run on torch's threads): at decode
+    sizes an OpenMP region per kernel cost more than it saved (tiny Llama decode 0.21x eager
+    with them, 0.9-1.2x without: docs/performance.md), and no thread count is compiled in;
+    ISA detection from the CPU's flags (not by building a probe per ISA, 17 s here); a fixed
+    -march per ISA level; no precompiled headers (with them, loading a kernel runs the
+    preprocessor to key the header); and the compiler hook below."""
     global _installed
     if _installed:
         return
     import torch._inductor.config as inductor
 
-    inductor.cpp.dynamic_threads = True
+    inductor.cpp.threads = 1
     inductor.cpp.vec_isa_ok = True
     inductor.cpp.march = MARCH.get(torch.backends.cpu.get_cpu_capability())
     inductor.cpp_cache_precompile_headers = False

@@ -5,8 +5,8 @@
 2. start: `flare serve` to its ready line for the compiled package, the same package with
    `--compile-on-start` (a fresh host cache: a real compile), and a `--target none` package
    (eager). Baseline: the eager start; ratios are against it.
-3. decode: greedy tokens/s of a runtime in this process, compiled (the package's forward)
-   against eager (the same package, compiling off), at batch 1 and at the max concurrency, on
+3. decode: greedy tokens/s of two runtimes in this process, compiled (the package's forward)
+   and eager (the same package, compiling off), at batch 1 and 8, in alternating rounds, on
    the tiny Llama and on a Llama of about 100M parameters (--big).
 4. reproduce (--reproduce N): the tiny Llama built N times, each in a fresh FLARE_HOME (no
    kernel cache, journal or registry shared): the package digests must all be equal.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ from common import flare_env, log, scratch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 BATCH = 8
+ROUNDS = 5
 
 
 def flare(env: dict[str, str], *args: str) -> str:
@@ -73,23 +75,39 @@ def ready_line(env: dict[str, str], *args: str) -> tuple[float, str]:
     return seconds, line.split("(", 1)[1].rstrip(")\n")
 
 
-def decode_rate(manifest: Any, files: dict, mode: str, root: Path, tokens: int) -> dict:
-    """Greedy decode tokens/s at batch 1 and BATCH, the forward `mode` says."""
+def decode_rates(manifest: Any, files: dict, root: Path, tokens: int) -> dict[str, Any]:
+    """Greedy decode tokens/s at batch 1 and BATCH, compiled (the package's forward) and eager
+    (compiling off), in rounds that alternate which goes first; medians and paired ratios."""
     from flare.serve.runtime import SamplingParams, load_runtime
 
-    runtime = load_runtime(manifest, files, compile_mode=mode, compile_root=root)
-    runtime.start()
-    rates = {}
+    runtimes = {
+        mode: load_runtime(manifest, files, compile_mode=mode, compile_root=root)
+        for mode in ("package", "off")
+    }
+    rates: dict[str, dict[str, list[float]]] = {"package": {}, "off": {}}
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for runtime in runtimes.values():
+        runtime.start()
     try:
-        for batch in (1, BATCH):
-            params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-            started = time.perf_counter()
-            handles = [runtime.submit([5 + i, 6, 7, 8], params) for i in range(batch)]
-            made = sum(len(d.token_ids) for h in handles for d in h)
-            rates[f"batch {batch}"] = round(made / (time.perf_counter() - started), 1)
+        for round_ in range(ROUNDS):
+            order = list(runtimes) if round_ % 2 == 0 else list(reversed(runtimes))
+            for mode in order:
+                for batch in (1, BATCH):
+                    started = time.perf_counter()
+                    handles = [runtimes[mode].submit([5 + i, 6, 7], params) for i in range(batch)]
+                    made = sum(len(d.token_ids) for h in handles for d in h)
+                    rate = made / (time.perf_counter() - started)
+                    rates[mode].setdefault(f"batch {batch}", []).append(rate)
     finally:
-        runtime.stop()
-    return rates
+        for runtime in runtimes.values():
+            runtime.stop()
+    compiled, eager = rates["package"], rates["off"]
+    paired = {k: [c / e for c, e in zip(compiled[k], eager[k], strict=True)] for k in compiled}
+    return {
+        "compiled tok/s": {k: round(statistics.median(v), 1) for k, v in compiled.items()},
+        "eager tok/s": {k: round(statistics.median(v), 1) for k, v in eager.items()},
+        "compiled / eager (paired)": {k: round(statistics.median(v), 2) for k, v in paired.items()},
+    }
 
 
 def decode(home: Path, env: dict[str, str], name: str, tokens: int) -> dict[str, Any]:
@@ -102,10 +120,7 @@ def decode(home: Path, env: dict[str, str], name: str, tokens: int) -> dict[str,
     manifest = read_manifest(store, Digest.parse(digest))
     (home / "blobs").mkdir(exist_ok=True)
     files = {str(d): store.get(d, home / "blobs")[0] for d in manifest.blobs()}
-    compiled = decode_rate(manifest, files, "package", home / "compiled", tokens)
-    eager = decode_rate(manifest, files, "off", home / "compiled", tokens)
-    ratios = {k: round(compiled[k] / eager[k], 2) for k in compiled}
-    return {"compiled tok/s": compiled, "eager tok/s": eager, "compiled / eager": ratios}
+    return decode_rates(manifest, files, home / "compiled", tokens)
 
 
 def bench_package(work: Path, source: Path, tokens: int, other: Path | None) -> dict:
