@@ -118,13 +118,17 @@ def test_the_manifest_lists_what_tune_and_compile_prepared(host: Host) -> None:
 
 def test_a_second_package_of_the_same_shapes_reuses_the_kernel_cache(host: Host) -> None:
     """Other weights, same shapes: tune and compile are reused, the compiled forward is the
-    same blob (weights never go into it), the payloads are not."""
+    same blob (weights never go into it), the payloads are not. --retune decides again."""
     source = make_llama(host.root / "other-weights", seed=7)
-    build = host.build(source, "retrained", "--target", "cpu", "--max-concurrency", "8")
+    options = ("--target", "cpu", "--max-concurrency", "8")
+    build = host.build(source, "retrained", *options)
     assert phases(build)["tune"] == "reused" and phases(build)["compile"] == "reused"
     first, second = latest(host, "llamaforcausallm"), host.manifest(build["digest"])
     assert compiled_blob(second) == compiled_blob(first)
     assert {p.digest for p in first.payloads}.isdisjoint({p.digest for p in second.payloads})
+    retuned = host.build(source, "retrained", *options, "--retune")
+    assert phases(retuned)["tune"] == "done" and phases(retuned)["compile"] == "reused"
+    assert retuned["digest"] == build["digest"]  # the same decisions: the same package
 
 
 def compiled_blob(manifest: Manifest) -> str:
