@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from flare.build.target import MAX_CONCURRENCY, PREFILL_CHUNK
 from flare.config import (
     SETTINGS,
     Config,
@@ -34,6 +36,7 @@ from flare.config import (
     parse_body_size,
     parse_duration,
     parse_size,
+    parse_target,
     parse_timeout,
     record_signing_key,
 )
@@ -278,11 +281,30 @@ def build_command(
             help="Build from files that link out of the checkpoint folder (refused by default).",
         ),
     ] = False,
+    prepare_for: Annotated[
+        str | None,
+        typer.Option(
+            "--target",
+            help="What to prepare (tune, compile) for: cpu, cuda, none, or auto (this host's "
+            "device; default: the config's build.target).",
+        ),
+    ] = None,
+    max_concurrency: Annotated[
+        int, typer.Option(help="The largest decode batch the package plans for.")
+    ] = MAX_CONCURRENCY,
+    prefill_chunk: Annotated[
+        int, typer.Option(help="Prompt tokens prefilled in one step at most.")
+    ] = PREFILL_CHUNK,
+    retune: Annotated[
+        bool,
+        typer.Option("--retune", help="Tune again instead of reusing the kernel cache's records."),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Build a package from a checkpoint, resumably, and publish it to the registry."""
     from flare.build.check import check_build
     from flare.build.pipeline import Build, BuildRequest
+    from flare.build.target import resolve_target
 
     config = load_config()
     target = open_registry(registry, create=check is None)
@@ -316,6 +338,11 @@ def build_command(
         allow_outside_links=allow_outside_links,
         staging=config["paths.export_staging"],
         hub_cache=config["paths.hub_cache"],
+        target=resolve_target(parse_target(prepare_for or config["build.target"])),
+        max_concurrency=max_concurrency,
+        prefill_chunk=prefill_chunk,
+        kernel_cache=config["paths.kernel_cache"],
+        retune=retune,
     )
     with progress.bar:
         result = Build(request, target, progress, sign=configured_signer(config)).run()
@@ -332,6 +359,7 @@ def _print_check(ref: str, checked: CheckResult, as_json: bool) -> None:
                 "identical": checked.identical,
                 "source_files": checked.source_files,
                 "payloads": checked.payloads,
+                "artifacts": checked.artifacts,
             }
         )
     elif checked.identical:
@@ -345,6 +373,8 @@ def _print_check(ref: str, checked: CheckResult, as_json: bool) -> None:
                 f"  payload not reproduced: {payload['digest']} ranks {payload['ranks']} "
                 f"(first tensor {payload['first_tensor']})"
             )
+        for artifact in checked.artifacts:
+            out.print(f"  artifact not reproduced: {artifact['path']} ({artifact['digest']})")
     if not checked.identical:
         raise typer.Exit(IntegrityError.exit_code)
 
@@ -758,9 +788,15 @@ RevisionOption = Annotated[
 
 
 def pull_into_cache(
-    ref: str, registry: str | None, device: str | None, revision: str | None, accept: str | None
+    ref: str,
+    registry: str | None,
+    device: str | None,
+    revision: str | None,
+    accept: str | None,
+    compiles: bool = False,
 ) -> Any:
     """Admission (signature, compatibility, disk, memory), then the missing blobs, with a bar.
+    `compiles`: the server compiles at start, so compiled artifacts need not match this host.
 
     Returns the source registry, the host cache and the pull report."""
     _require_serve_extra()
@@ -776,7 +812,7 @@ def pull_into_cache(
     chosen = choose_device(device)
     request = PullRequest(
         ref=ref,
-        host=detect_toolchain(chosen, served_recipes()),
+        host=detect_toolchain(chosen, served_recipes(), compiles),
         policy=trust.load_policy(config),
         reserve=config["memory.reserve"] + kv_cache_reservation(chosen),
         revision=revision,
@@ -850,6 +886,14 @@ def serve_command(
     device: DeviceOption = None,
     revision: RevisionOption = None,
     accept: AcceptOption = None,
+    compile_on_start: Annotated[
+        bool,
+        typer.Option(
+            "--compile-on-start",
+            help="Compile the forward at start (the package's compiled artifacts, if any, are "
+            "not used, so they need not match this host).",
+        ),
+    ] = False,
     api_key: Annotated[
         str | None,
         typer.Option(envvar="FLARE_API_KEY", help="Require `Authorization: Bearer KEY`."),
@@ -885,13 +929,25 @@ def serve_command(
     from flare.serve.server import listen, run_server
 
     sock = listen(host, port)
-    source, cache, report = pull_into_cache(ref, registry, device, revision, accept)
+    times = {"start": time.perf_counter()}
+    source, cache, report = pull_into_cache(
+        ref, registry, device, revision, accept, compile_on_start
+    )
     plan = report.plan
+    times["pulled"] = time.perf_counter()
     with hold_lease(source.store, "serve", packages=[plan.digest]):
         runtime, app_ = load_package_app(
-            source, cache, plan, kv_cache_tokens, api_key, attention.value, limits
+            source,
+            cache,
+            plan,
+            kv_cache_tokens,
+            api_key,
+            attention.value,
+            limits,
+            "start" if compile_on_start else "package",
         )
-        run_server(app_, runtime, sock, _say_ready(plan))
+        times["loaded"] = time.perf_counter()
+        run_server(app_, runtime, sock, _say_ready(plan, runtime, times))
 
 
 def _body_limits(max_body_size: str | None, body_timeout: str | None) -> Any:
@@ -923,11 +979,10 @@ def load_package_app(
     api_key: str | None,
     attention: str = "auto",
     limits: Any = None,
+    compile_mode: str = "package",
 ) -> tuple[Any, Any]:
     """Load the pulled package on the device pull admitted it for (printing what it cost)
     and make its API app."""
-    import time
-
     from flare.serve.api import ServedPackage, create_app
     from flare.serve.runtime import load_runtime
 
@@ -940,6 +995,8 @@ def load_package_app(
         memory_reserve=load_config()["memory.reserve"],
         attention=attention,
         quarantine=cache.quarantine_if_corrupt,
+        compile_mode=compile_mode,
+        compile_root=cache.root / "compiled",
     )
     weights = sum(p.size for p in plan.manifest.payloads)
     kv = runtime.kv_stats()
@@ -971,9 +1028,17 @@ def _created(source: Registry, plan: Any) -> int:
     return int(datetime.fromisoformat(record.created).timestamp()) if record else 0
 
 
-def _say_ready(plan: Any) -> Any:
+def _say_ready(plan: Any, runtime: Any, times: dict[str, float]) -> Any:
+    """The ready line: where, start-to-ready and its parts, how the forward runs."""
+
     def ready(url: str) -> None:
-        sys.stdout.write(f"serving {plan.manifest.name}@{plan.digest} at {url}\n")
+        now = time.perf_counter()
+        timeline = runtime.start_report.timeline(
+            pull=times["pulled"] - times["start"],
+            load=times["loaded"] - times["pulled"],
+            total=now - times["start"],
+        )
+        sys.stdout.write(f"serving {plan.manifest.name}@{plan.digest} at {url} ({timeline})\n")
         sys.stdout.flush()
 
     return ready

@@ -16,6 +16,7 @@ from typing import Any
 from flare.store.backends.local import write_file_atomic
 from flare.store.encoding import Encoding, check_zstd_level
 from flare.store.errors import FlareError, InvalidInputError, NotFoundError
+from flare.toolchain import TARGETS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -60,6 +61,16 @@ def _optional_path(text: str | Path) -> Path | None:
 
 def _optional_duration(text: str) -> float | None:
     return parse_duration(text) if str(text).strip() else None
+
+
+def parse_target(text: str) -> str:
+    """A build target: cpu, cuda, none (prepare nothing), or auto (the build host's device)."""
+    choices = (*TARGETS, "auto")
+    if text not in choices:
+        raise InvalidInputError(
+            f"unknown build target {text!r}", f"use one of {', '.join(choices)}"
+        )
+    return text
 
 
 def _level(text: str | int) -> int:
@@ -129,6 +140,13 @@ SETTINGS: tuple[Setting, ...] = (
         _path,
         lambda h, _e: h / "staging",
         "build staging area and journals",
+    ),
+    Setting(
+        "build.target",
+        "FLARE_BUILD_TARGET",
+        parse_target,
+        lambda _h, _e: "auto",
+        "what builds prepare for: cpu, cuda, none, or auto (the build host's device)",
     ),
     Setting(
         "paths.registry",

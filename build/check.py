@@ -1,12 +1,14 @@
 """`flare build --check REF`: rebuild a package from its recorded inputs and compare.
 
-The rebuild runs every phase afresh (no journal reuse, every source file hashed again) into
-a scratch store, so the registry is not touched; like `nix build --check`, it says the
-package is reproducible or lists what differs.
+The rebuild runs every phase afresh (no journal or kernel-cache reuse, every source file hashed
+again, the forward compiled again) into a scratch store, so the registry is not touched; like
+`nix build --check`, it says the package is reproducible or lists what differs. The package's
+tuning records are taken as inputs, as a lock file is.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from flare.build.journal import Journal
 from flare.build.pipeline import Build, BuildRequest, Events
+from flare.build.target import MAX_CONCURRENCY, PREFILL_CHUNK
 from flare.registry.registry import Registry
 from flare.store.digest import Digest
 from flare.store.errors import NotFoundError
@@ -30,6 +33,9 @@ class CheckResult:
     """Source files whose digests differ from the recorded ones."""
     payloads: list[dict[str, object]] = field(default_factory=list)
     """Payloads of the package that the rebuild did not produce."""
+    artifacts: list[dict[str, object]] = field(default_factory=list)
+    """Artifacts of the package (tuning records, compiled forwards, ...) the rebuild did not
+    produce byte for byte."""
 
     @property
     def identical(self) -> bool:
@@ -61,6 +67,10 @@ def check_build(
             rehash=True,
             payload_bytes=int(manifest.options["payload_bytes"]),
             allow_outside_links=allow_outside_links,
+            target=manifest.options.get("target", "none"),
+            max_concurrency=int(manifest.options.get("max_concurrency", MAX_CONCURRENCY)),
+            prefill_chunk=int(manifest.options.get("prefill_chunk", PREFILL_CHUNK)),
+            records=_tuning_records(registry, manifest),
         )
         scratch_registry = Registry(str(scratch / "store"), f"sqlite:///{scratch / 'index.db'}")
         rebuilt = Build(request, scratch_registry, events, reuse=False).run()
@@ -68,6 +78,15 @@ def check_build(
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return _compare(digest, manifest, rebuilt.digest, rebuilt.manifest)
+
+
+def _tuning_records(registry: Registry, manifest: Manifest) -> tuple[dict, ...] | None:
+    """The package's tuning records: the rebuild takes them as inputs (a lock file) rather
+    than measuring again, so timing cannot make it differ."""
+    for artifact in manifest.artifacts:
+        if artifact.kind == "tuning":
+            return tuple(json.loads(registry.store.read_bytes(Digest.parse(artifact.digest))))
+    return None
 
 
 def _ensure(folder: Path) -> Path:
@@ -96,5 +115,11 @@ def _compare(digest: Digest, old: Manifest, rebuilt: Digest, new: Manifest) -> C
         {"digest": p.digest, "ranks": list(p.ranks), "first_tensor": p.tensors[0].name}
         for p in old.payloads
         if p.digest not in produced
+    ]
+    made = {a.digest for a in new.artifacts}
+    result.artifacts = [
+        {"path": a.path, "kind": a.kind, "digest": a.digest}
+        for a in old.artifacts
+        if a.digest not in made
     ]
     return result

@@ -8,6 +8,7 @@ rebuild with one changed option redoes only what depends on it.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -22,7 +23,9 @@ from flare.build.checkpoint import (
     read_tensors,
     weight_files,
 )
+from flare.build.compile import COMPILED_PATH, compile_inputs, compiled_forward
 from flare.build.journal import Journal, inputs_digest
+from flare.build.kernel_cache import KernelCache
 from flare.build.payloads import payload_key, planned_size, store_payload
 from flare.build.plan import PAYLOAD_BYTES, PlannedPayload, plan_payloads
 from flare.build.ranks import Leader
@@ -31,6 +34,14 @@ from flare.build.recipes.base import Recipe, check_tensors
 from flare.build.rendezvous import Rendezvous
 from flare.build.sources import Source, resolve_source
 from flare.build.statcache import StatCache, digest_files
+from flare.build.target import (
+    MAX_CONCURRENCY,
+    PREFILL_CHUNK,
+    Preparation,
+    check_runtime_options,
+    preparation,
+)
+from flare.build.tune import TUNING_PATH, attention_shapes, tuning_inputs, tuning_records
 from flare.faults import crash_point
 from flare.model_sizes import check_sizes
 from flare.registry.leases import Lease, add_to_lease, hold_lease, outlast_caches
@@ -76,15 +87,39 @@ class BuildRequest:
     allow_outside_links: bool = False
     """Build from files that link out of the checkpoint folder (refused by default). It only
     permits: the package is the same bytes either way, so it is not a recorded option."""
+    target: str = "none"
+    """What tune and compile prepare the package for: cpu, cuda, or none (nothing: an eager
+    package that serves on any host). `flare build` defaults to the build host's device."""
+    max_concurrency: int = MAX_CONCURRENCY
+    """The largest decode batch the package plans for (serve runs at most this many)."""
+    prefill_chunk: int = PREFILL_CHUNK
+    """Prompt tokens prefilled in one step at most (one longer prompt still runs alone)."""
+    kernel_cache: Path | None = None
+    """Where tuning records and compiled forwards are kept across builds, keyed by shapes and
+    toolchain (paths.kernel_cache); None: every build tunes and compiles afresh."""
+    retune: bool = False
+    """Measure again rather than take the kernel cache's tuning records."""
+    records: tuple[dict[str, Any], ...] | None = None
+    """Tuning records to build with instead of tuning (--check takes the package's own)."""
 
     def options(self) -> dict[str, Any]:
         """The options that shape the package, recorded in its manifest."""
+        return {
+            "ranks": self.ranks,
+            "payload_bytes": self.payload_bytes,
+            "target": self.target,
+            "max_concurrency": self.max_concurrency,
+            "prefill_chunk": self.prefill_chunk,
+        }
+
+    def layout_options(self) -> dict[str, Any]:
+        """The options that shape the payloads (the shard phase's)."""
         return {"ranks": self.ranks, "payload_bytes": self.payload_bytes}
 
     def recorded(self) -> dict[str, Any]:
         """The request as the journal keeps it (for --check), without host-only settings."""
         kept = asdict(self)
-        for host_only in ("workers", "rendezvous", "timeout"):
+        for host_only in ("workers", "rendezvous", "timeout", "kernel_cache", "retune", "records"):
             kept.pop(host_only)
         return {k: str(v) if isinstance(v, Path) else v for k, v in kept.items()}
 
@@ -137,6 +172,7 @@ class Build:
             raise InvalidInputError("--model-id must be 1 to 256 characters", "shorten it")
         if request.rendezvous is not None and request.ranks < 2:
             raise InvalidInputError("--rendezvous needs --ranks 2 or more", "add --ranks N")
+        check_runtime_options(request.target, request.max_concurrency, request.prefill_chunk)
         self.request = request
         self.registry = registry
         self.store = registry.store
@@ -218,15 +254,35 @@ class Build:
             plan = self._shard(tensors, recipe, config, files)
             if self.leader is not None:
                 self.leader.share(self, plan, files)
-            plan_digest = _digest_of([p.describe() for p in plan])
-            tuning = self._empty_phase("tune", {"plan": plan_digest}, "records")
-            compiled = self._empty_phase(
-                "compile", {"plan": plan_digest, "tune": _digest_of(tuning)}, "artifacts"
-            )
+            prepared = self._preparation(recipe)
+            tuning = self._tune(recipe, config, prepared)
+            compiled = self._compile(recipe, config, prepared, tuning["records"])
             assembled = self._assemble(plan, files, recipe, compiled)
-            manifest = self._manifest(source, files, recipe, config, assembled, build_key)
+            assembled["artifacts"] = [
+                *assembled["artifacts"],
+                *tuning["artifacts"],
+                *compiled["artifacts"],
+            ]
+            manifest = self._manifest(source, files, recipe, config, assembled, build_key, prepared)
             digest = self._publish(manifest)
         return BuildResult(self.request.name, self.request.tag, digest, manifest, self.reports)
+
+    def _preparation(self, recipe: Recipe) -> Preparation:
+        """What tune and compile prepare, with the toolchain the build host has for it."""
+        request = self.request
+        prepared = preparation(
+            request.target,
+            recipe.compiled_forward,
+            request.ranks,
+            request.max_concurrency,
+            request.prefill_chunk,
+        )
+        if request.target != "none" and not prepared.prepares:
+            self.events.note(
+                f"nothing to prepare for --target {request.target}: the package serves eagerly "
+                f"({'an embedding model' if not recipe.compiled_forward else 'several ranks'})"
+            )
+        return prepared
 
     # -- phases ----------------------------------------------------------------------------
 
@@ -276,7 +332,7 @@ class Build:
             "tensors": _digest_of([asdict(t) for t in tensors.values()]),
             "files": {n: f["digest"] for n, f in files.items()},
             "recipe": _recipe_id(recipe),
-            "options": request.options(),
+            "options": request.layout_options(),
         }
 
         def shard() -> tuple[dict, int, list]:
@@ -289,6 +345,78 @@ class Build:
 
         outputs = self._phase("shard", inputs, 0, shard)
         return [PlannedPayload.from_description(p) for p in outputs["payloads"]]
+
+    def _tune(self, recipe: Recipe, config: dict, prepared: Preparation) -> dict[str, Any]:
+        """The tuning records (given, from the kernel cache, or decided now), stored as the
+        package's `tuning` artifact; nothing when nothing is prepared."""
+        request = self.request
+        shapes = attention_shapes(recipe.name, config) if prepared.prepares else {}
+        inputs = {**tuning_inputs(prepared, shapes), "given": request.records}
+        reused: list[bool] = []
+
+        def tune() -> tuple[dict, int, list]:
+            if not prepared.prepares:
+                return {"records": [], "artifacts": []}, 0, []
+            if request.records is not None:
+                records, from_cache = list(request.records), True
+            else:
+                scratch = request.staging / "prepare"
+                cache = KernelCache(request.kernel_cache)
+                records, from_cache = tuning_records(inputs, cache, scratch, request.retune)
+            reused.append(from_cache)
+            entry = self._prepared_blob(
+                "tuning", TUNING_PATH, canonical_json(records).encode(), prepared, shapes
+            )
+            return {"records": records, "artifacts": [entry]}, entry["size"], [entry["digest"]]
+
+        outputs = self._phase("tune", inputs, 0, tune, reuse=not request.retune)
+        if reused and reused[0]:
+            self.reports[-1].status = "reused"
+        return outputs
+
+    def _compile(
+        self, recipe: Recipe, config: dict, prepared: Preparation, records: list[dict]
+    ) -> dict[str, Any]:
+        """The compiled forward (from the kernel cache or compiled now), stored as the
+        package's `compiled` artifact; nothing when nothing is prepared."""
+        request = self.request
+        recipe_id = _recipe_id(recipe)
+        inputs = compile_inputs(recipe_id, config, prepared, records) if prepared.prepares else {}
+        reused: list[bool] = []
+
+        def compile_() -> tuple[dict, int, list]:
+            if not prepared.prepares:
+                return {"artifacts": []}, 0, []
+            scratch = request.staging / "prepare"
+            try:
+                archive, made, from_cache = compiled_forward(
+                    inputs, KernelCache(request.kernel_cache), scratch
+                )
+                reused.append(from_cache)
+                path = COMPILED_PATH.format(target=prepared.target)
+                entry = self._prepared_file("compiled", path, archive, prepared, made["shapes"])
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+            return {"artifacts": [entry]}, entry["size"], [entry["digest"]]
+
+        outputs = self._phase("compile", inputs, 0, compile_)
+        if reused and reused[0]:
+            self.reports[-1].status = "reused"
+        return outputs
+
+    def _prepared_blob(
+        self, kind: str, path: str, data: bytes, prepared: Preparation, shapes: dict
+    ) -> dict[str, Any]:
+        result = self.store.put_bytes(data)
+        self._keep(result.digest)
+        return _prepared_entry(kind, path, str(result.digest), len(data), prepared, shapes)
+
+    def _prepared_file(
+        self, kind: str, path: str, source: Path, prepared: Preparation, shapes: dict
+    ) -> dict[str, Any]:
+        result = self.store.put_file(source, link=False)
+        self._keep(result.digest)
+        return _prepared_entry(kind, path, str(result.digest), result.size, prepared, shapes)
 
     def _assemble(
         self, plan: list[PlannedPayload], files: dict, recipe: Recipe, compiled: dict
@@ -395,6 +523,7 @@ class Build:
         config: dict,
         assembled: dict,
         build_key: Digest,
+        prepared: Preparation,
     ) -> Manifest:
         architecture = config["architectures"][0]
         return Manifest.model_validate_json(
@@ -411,7 +540,7 @@ class Build:
                     "recipe": {**_recipe_id(recipe), "architecture": architecture},
                     "options": self.request.options(),
                     "ranks": self.request.ranks,
-                    "toolchain": {"runtime_abi": RUNTIME_ABI},
+                    "toolchain": {"runtime_abi": RUNTIME_ABI, **prepared.toolchain},
                     "payloads": assembled["payloads"],
                     "artifacts": assembled["artifacts"],
                     "inputs": str(build_key),
@@ -437,13 +566,19 @@ class Build:
     # -- bookkeeping -----------------------------------------------------------------------
 
     def _phase(
-        self, name: str, inputs: Any, total: int, action: Callable[[], tuple[dict, int, list]]
+        self,
+        name: str,
+        inputs: Any,
+        total: int,
+        action: Callable[[], tuple[dict, int, list]],
+        reuse: bool = True,
     ) -> dict[str, Any]:
-        """Run a phase, or take its outputs from the journal when its inputs are recorded."""
+        """Run a phase, or take its outputs from the journal when its inputs are recorded
+        (unless this build reuses nothing, or this phase must run again: --retune)."""
         started = time.perf_counter()
         self.events.phase_started(name, total)
         key = inputs_digest(name, inputs)
-        record = self.journal.get(name, key) if self.reuse else None
+        record = self.journal.get(name, key) if self.reuse and reuse else None
         for blob in record["blobs"] if record else []:
             self._keep(Digest.parse(blob))
         if record is not None and all(self.store.has(Digest.parse(d)) for d in record["blobs"]):
@@ -454,10 +589,6 @@ class Build:
         self.journal.put(name, key, {"outputs": outputs, "bytes": nbytes, "blobs": blobs})
         self._finish(name, "done", started, nbytes)
         return outputs
-
-    def _empty_phase(self, name: str, inputs: Any, field_name: str) -> dict[str, Any]:
-        """tune and compile: real phases with recorded outputs, empty on a CPU host."""
-        return self._phase(name, inputs, 0, lambda: ({field_name: []}, 0, []))
 
     def _finish(self, name: str, status: str, started: float, nbytes: int) -> None:
         report = PhaseReport(name, status, time.perf_counter() - started, nbytes)
@@ -480,6 +611,20 @@ def _check_config(source: Source, config: dict[str, Any], recipe: Recipe) -> Non
     """config.json's sizes against the weights' safetensors headers, before anything is
     sized by them and before resolve hashes the files: a lying config fails in milliseconds."""
     check_sizes(recipe.name, config, read_tensors(source), str(source.root / "config.json"))
+
+
+def _prepared_entry(
+    kind: str, path: str, digest: str, size: int, prepared: Preparation, shapes: dict
+) -> dict[str, Any]:
+    """A tune or compile artifact's manifest entry: what it is, for which target and shapes."""
+    return {
+        "kind": kind,
+        "path": path,
+        "digest": digest,
+        "size": size,
+        "target": prepared.target,
+        "shapes": shapes,
+    }
 
 
 def _recipe_id(recipe: Recipe) -> dict[str, Any]:

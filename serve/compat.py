@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 
+from flare import toolchain
 from flare.store.errors import FlareError
 from flare.store.package import RUNTIME_ABI, Manifest
 
@@ -36,6 +36,14 @@ class HostToolchain:
     cuda: str | None = None
     gpu_archs: tuple[str, ...] = ()
     flashinfer: str | None = None
+    python: str | None = None
+    triton: str | None = None
+    cpu_isa: str | None = None
+    cpu_features: tuple[str, ...] = ()
+    forward_code: str | None = None
+    compiles: bool = False
+    """The server compiles at start (`--compile-on-start`): a package's compiled artifacts
+    are not used, so their toolchain need not match."""
 
 
 def choose_device(asked: str | None) -> str:
@@ -53,40 +61,30 @@ def choose_device(asked: str | None) -> str:
     return asked
 
 
-def detect_toolchain(device: str, recipes: Mapping[str, int]) -> HostToolchain:
-    """This host's toolchain for `device` ("cpu" or "cuda"), read from the libraries present."""
+def detect_toolchain(
+    device: str, recipes: Mapping[str, int], compiles: bool = False
+) -> HostToolchain:
+    """This host's toolchain for `device` ("cpu" or "cuda"), read as `flare build` reads the
+    build host's (flare/toolchain.py), so the two compare field by field."""
     import torch
 
-    cuda = device == "cuda"
-    archs: tuple[str, ...] = ()
-    if cuda:
-        count = torch.cuda.device_count()
-        archs = tuple(sorted({_arch(torch.cuda.get_device_capability(i)) for i in range(count)}))
+    found = toolchain.detect(device)
     return HostToolchain(
         runtime_abi=RUNTIME_ABI,
         recipes=recipes,
         device=device,
-        devices=torch.cuda.device_count() if cuda else 1,
-        torch=_major_minor(torch.__version__),
-        cuda=torch.version.cuda if cuda else None,
-        gpu_archs=archs,
-        flashinfer=_flashinfer_version(),
+        devices=torch.cuda.device_count() if device == "cuda" else 1,
+        torch=found["torch"],
+        cuda=found.get("cuda"),
+        gpu_archs=tuple(found.get("gpu_archs", ())),
+        flashinfer=toolchain.package_version("flashinfer-python"),
+        python=found["python"],
+        triton=found.get("triton"),
+        cpu_isa=found.get("cpu_isa"),
+        cpu_features=tuple(found.get("cpu_features", ())),
+        forward_code=found["forward_code"],
+        compiles=compiles,
     )
-
-
-def _arch(capability: tuple[int, int]) -> str:
-    return f"sm_{capability[0]}{capability[1]}"
-
-
-def _major_minor(version: str) -> str:
-    return ".".join(version.split("+")[0].split(".")[:2])
-
-
-def _flashinfer_version() -> str | None:
-    try:
-        return version("flashinfer-python")
-    except PackageNotFoundError:
-        return None
 
 
 def check_compatible(manifest: Manifest, host: HostToolchain, revision: str | None = None) -> None:
@@ -123,25 +121,53 @@ def _check_runtime(manifest: Manifest, host: HostToolchain) -> None:
 
 
 def _check_toolchain(manifest: Manifest, host: HostToolchain) -> None:
-    """Compiled artifacts name the toolchain they were made with; none named, none needed."""
+    """Compiled artifacts name the target and toolchain they were made with; none named, none
+    needed. A server that compiles at start uses none of them."""
+    if host.compiles:
+        return
+    _check_target(manifest, host)
     need = manifest.toolchain
+    fix = f"rebuild it on a host like this one (flare build --target {host.device}), or serve it "
     for what, wanted, have in (
         ("torch", need.torch, host.torch),
+        ("Python", need.python, host.python),
         ("CUDA", need.cuda, host.cuda),
+        ("Triton", need.triton, host.triton),
         ("FlashInfer", need.flashinfer, host.flashinfer),
+        ("CPU ISA level", need.cpu_isa, host.cpu_isa),
+        ("flare forward code", need.forward_code, host.forward_code),
     ):
         if wanted is not None and wanted != have:
             raise IncompatibleError(
                 f"{manifest.name}'s compiled artifacts need {what} {wanted}; this host has "
                 f"{have or f'no {what}'} on {host.device}",
-                f"rebuild the package on a host like this one, or serve it where {what} "
-                f"{wanted} is",
+                f"{fix}where {what} {wanted} is, or with --compile-on-start",
             )
+    missing = sorted(set(need.cpu_features) - set(host.cpu_features))
+    if missing:
+        raise IncompatibleError(
+            f"{manifest.name}'s compiled kernels may use CPU features this host lacks: "
+            f"{', '.join(missing)}",
+            f"{fix}on a CPU that has them, or with --compile-on-start",
+        )
     if need.gpu_archs and not set(host.gpu_archs) & set(need.gpu_archs):
         raise IncompatibleError(
             f"{manifest.name} was compiled for GPU architectures {', '.join(need.gpu_archs)}; "
             f"this host has {', '.join(host.gpu_archs) or 'none'} ({host.device})",
-            "rebuild the package on a host with this GPU, or serve it on a matching one",
+            "rebuild the package on a host with this GPU, serve it on a matching one, or serve "
+            "it with --compile-on-start",
+        )
+
+
+def _check_target(manifest: Manifest, host: HostToolchain) -> None:
+    """Prepared artifacts are for one device; serving them on another is refused."""
+    targets = sorted({a.target for a in manifest.artifacts if a.target is not None})
+    if targets and host.device not in targets:
+        raise IncompatibleError(
+            f"{manifest.name} was prepared for {', '.join(targets)}; this server runs on "
+            f"{host.device}",
+            f"serve it with --device {targets[0]}, rebuild it with --target {host.device}, or "
+            "serve it with --compile-on-start",
         )
 
 

@@ -24,6 +24,7 @@ COUNTERS = {
     "busy_seconds",
     "kv_prefix_hit_tokens",
     "kv_evictions",
+    "compilations",
 }
 """Figures that only grow; the others are levels (running, waiting, blocks used)."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +23,18 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from torch import nn
 
-from flare.serve.engine.attention import make_attention
+from flare.serve import compilations, flashinfer_modules
+from flare.serve.artifacts import RuntimeArtifacts, StartReport, runtime_artifacts
+from flare.serve.compilations import Compilations
+from flare.serve.compiled import CompiledForward, use_cache_folder, warm_up
+from flare.serve.engine.attention import AttentionBackend, make_attention
 from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.engine import Engine, EngineStopping
 from flare.serve.engine.output import Delta, RequestFailed, RequestHandle
 from flare.serve.engine.runner import ModelRunner
 from flare.serve.engine.scheduler import Scheduler
 from flare.serve.engine.sequence import SamplingParams, TokenLogprob
+from flare.serve.inductor_archive import unpack
 from flare.serve.models import load_model, model_kind
 from flare.serve.models.files import PackageFiles, Quarantine
 from flare.serve.truncation import Truncation
@@ -69,12 +75,18 @@ def load_runtime(
     memory_reserve: int = 0,
     attention: str = "auto",
     quarantine: Quarantine | None = None,
+    compile_mode: str = "package",
+    compile_root: Path | None = None,
 ) -> Runtime:
-    """Load the package's model on `device` (fp32 on CPU, bf16 elsewhere unless `dtype`);
-    `files` maps every blob's digest text to a local file, each checked against the
-    manifest as it is read (a corrupt one goes to `quarantine`: see PackageFiles). A GPU's
-    KV cache takes a share of the memory left after the weights and `memory_reserve`;
-    `attention` picks the backend (serve/engine/attention.py, `make_attention`)."""
+    """Load the package's model on `device` (fp32 on CPU, bf16 elsewhere unless `dtype` or
+    the package's tuning says otherwise); `files` maps every blob's digest text to a local
+    file, each checked against the manifest as it is read (a corrupt one goes to
+    `quarantine`: see PackageFiles). A GPU's KV cache takes a share of the memory left after
+    the weights and `memory_reserve`; `attention` picks the backend
+    (serve/engine/attention.py, `make_attention`; auto: the package's tuned one). A
+    generating model's forward is the package's compiled one, compiled at start, or eager, as
+    `compile_mode` says (serve/artifacts.py; `compile_root` holds compiled forwards); it is
+    warmed up before this returns, so nothing compiles after."""
     if manifest.ranks != 1:
         raise InvalidInputError(
             f"package {manifest.name} is built for {manifest.ranks} ranks", "serve a 1-rank build"
@@ -82,12 +94,14 @@ def load_runtime(
     package = PackageFiles(manifest, files, quarantine)
     kind = model_kind(package)
     target = torch.device(device)
-    dtype = dtype or (torch.float32 if target.type == "cpu" else torch.bfloat16)
+    prepared = runtime_artifacts(package, target.type, compile_mode, compile_root)
+    tuned = prepared.decisions.torch_dtype if prepared.decisions else None
+    dtype = dtype or tuned or (torch.float32 if target.type == "cpu" else torch.bfloat16)
     model = load_model(package, target, dtype)
     if kind == "embed":
         return EmbedRuntime(package, model)
     kv_tokens = kv_cache_tokens or _default_kv_tokens(model, target, dtype, memory_reserve)
-    return GenerateRuntime(package, model, target, dtype, kv_tokens, attention)
+    return GenerateRuntime(package, model, target, dtype, kv_tokens, attention, prepared)
 
 
 @dataclass(frozen=True)
@@ -155,6 +169,9 @@ class Runtime:
     def stats(self) -> dict[str, float]:
         return {}
 
+    start_report = StartReport("eager", "an embedding model serves uncompiled")
+    """How the start went: the forward, and what warming it up took and compiled."""
+
 
 class GenerateRuntime(Runtime):
     """A causal language model behind the continuous-batching engine."""
@@ -169,21 +186,41 @@ class GenerateRuntime(Runtime):
         dtype: torch.dtype,
         kv_cache_tokens: int,
         attention_kind: str = "auto",
+        prepared: RuntimeArtifacts | None = None,
     ) -> None:
+        prepared = prepared or RuntimeArtifacts("eager", None, why="none was asked for")
+        decisions = prepared.decisions
+        block = decisions.page_size if decisions else BLOCK_SIZE
         spec = model.attention_spec
         tokens = kv_cache_tokens
-        num_blocks = tokens // BLOCK_SIZE
+        num_blocks = tokens // block
         if num_blocks < 1:
-            raise InvalidInputError(f"a KV cache of {tokens} tokens holds no {BLOCK_SIZE}-block")
-        super().__init__(package, min(model.context_length, num_blocks * BLOCK_SIZE))
+            raise InvalidInputError(f"a KV cache of {tokens} tokens holds no {block}-block")
+        super().__init__(package, min(model.context_length, num_blocks * block))
         self.vocab_size = model.vocab_size
+        if decisions is not None and attention_kind == "auto":
+            attention_kind = decisions.backend
         self.attention, attention = make_attention(
-            attention_kind, spec, num_blocks * BLOCK_SIZE, BLOCK_SIZE, dtype, device
+            attention_kind,
+            spec,
+            num_blocks * block,
+            block,
+            dtype,
+            device,
+            decisions.variant if decisions else None,
         )
-        runner = ModelRunner(model, attention, BLOCK_SIZE, device)
-        blocks = BlockManager(num_blocks, BLOCK_SIZE)
-        scheduler = Scheduler(blocks, MAX_NUM_SEQS, max(MAX_BATCHED_TOKENS, self.context_length))
+        options = package.manifest.options
+        blocks = BlockManager(num_blocks, block)
+        started = _start_forward(model, attention, block, device, prepared, blocks)
+        runner, self.start_report = started
+        batched_tokens = int(options.get("prefill_chunk", MAX_BATCHED_TOKENS))
+        scheduler = Scheduler(
+            blocks,
+            int(options.get("max_concurrency", MAX_NUM_SEQS)),
+            max(batched_tokens, self.context_length),
+        )
         self.engine = Engine(runner, scheduler, self.tokenizer, self.eos_token_ids)
+        self._ready = compilations.snapshot()
 
     def start(self) -> None:
         self.engine.start()
@@ -214,7 +251,12 @@ class GenerateRuntime(Runtime):
         return self.engine.kv_stats()
 
     def stats(self) -> dict[str, float]:
-        return self.engine.stats()
+        """The engine's figures, and `compilations`: everything compiled since the runtime
+        was ready (0 for a package whose compiled forward matches this host)."""
+        return {**self.engine.stats(), "compilations": self.compilations_since_ready().total}
+
+    def compilations_since_ready(self) -> Compilations:
+        return compilations.snapshot() - self._ready
 
 
 class EmbedRuntime(Runtime):
@@ -269,6 +311,35 @@ class EmbedRuntime(Runtime):
 
     def stats(self) -> dict[str, float]:
         return dict(self._counters)
+
+
+def _start_forward(
+    model: nn.Module,
+    attention: AttentionBackend,
+    block: int,
+    device: torch.device,
+    prepared: RuntimeArtifacts,
+    blocks: BlockManager,
+) -> tuple[ModelRunner, StartReport]:
+    """The runner with its forward as `prepared` says, warmed up when compiled: unpacking
+    and pointing Inductor at the compiled forward, then its first steps, each timed."""
+    if prepared.forward == "eager":
+        return ModelRunner(model, attention, block, device), StartReport("eager", prepared.why)
+    started = time.perf_counter()
+    assert prepared.folder is not None
+    if prepared.archive is not None:
+        unpack(prepared.archive, prepared.folder)
+    use_cache_folder(prepared.folder)
+    if device.type == "cuda":
+        flashinfer_modules.use_modules(prepared.folder)
+    runner = ModelRunner(model, attention, block, device, CompiledForward(model))
+    report = StartReport(prepared.forward, artifacts=time.perf_counter() - started)
+    before = compilations.snapshot()
+    started = time.perf_counter()
+    warm_up(runner, blocks)
+    report.warm_up = time.perf_counter() - started
+    report.compilations = compilations.snapshot() - before
+    return runner, report
 
 
 def kv_cache_reservation(device: str) -> int:

@@ -104,11 +104,22 @@ class Recipe(Strict):
 
 
 class Toolchain(Strict):
+    """What the package's compiled artifacts need of a host (flare/toolchain.py reads it);
+    only the runtime ABI for a package that prepared nothing (target none)."""
+
     runtime_abi: Annotated[int, Field(ge=1)]
     torch: str | None = None
     cuda: str | None = None
     gpu_archs: tuple[str, ...] = ()
     flashinfer: str | None = None
+    python: str | None = None
+    triton: str | None = None
+    cpu_isa: str | None = None
+    """torch's CPU capability level on the build host: DEFAULT, AVX2, AVX512, ..."""
+    cpu_features: tuple[str, ...] = ()
+    """The x86 features the build host had that C++ kernels may use (toolchain.CPU_FEATURES)."""
+    forward_code: str | None = None
+    """Digest of flare's code the compiled forward was traced from (toolchain.FORWARD_SOURCES)."""
 
 
 class Split(Strict):
@@ -136,12 +147,15 @@ class Payload(Strict):
 
 
 class Artifact(Strict):
-    """Another file of the package: tokenizer, chat template, config, tuning records, ..."""
+    """Another file of the package: tokenizer, chat template, config, tuning records, ...
+    Those tune and compile prepared name the target they are for and what they cover."""
 
     kind: str
     path: SafePath
     digest: DigestText
     size: Count
+    target: str | None = None
+    shapes: dict[str, Any] | None = None
 
 
 class Manifest(Strict):
@@ -197,8 +211,10 @@ def canonical_json(data: Any) -> str:
 
 
 def encode_index(manifest: Manifest) -> bytes:
-    """The index file's bytes: a safetensors header with the manifest and no tensors."""
-    text = canonical_json(manifest.model_dump(mode="json"))
+    """The index file's bytes: a safetensors header with the manifest and no tensors.
+    Fields the manifest does not set are left out, so a field added to the format later never
+    changes the bytes of a package read back (keyless verification encodes it again)."""
+    text = canonical_json(manifest.model_dump(mode="json", exclude_unset=True))
     return encode_header([], {MANIFEST_KEY: text})
 
 

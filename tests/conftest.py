@@ -21,11 +21,21 @@ def store(tmp_path: Path) -> BlobStore:
 
 @pytest.fixture
 def flare_env(tmp_path: Path) -> dict[str, str]:
-    """An environment where flare sees no user config and keeps everything under tmp_path."""
+    """An environment where flare sees no user config and keeps everything under tmp_path.
+    Builds prepare nothing (target none) unless a test asks: compiling a forward takes a
+    minute on two cores, so tests/test_compiled.py does it once per session."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
     env["FLARE_HOME"] = str(tmp_path / "home")
     env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    env["FLARE_BUILD_TARGET"] = "none"
     return env
+
+
+@pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """paths.kernel_cache shared by the session's builds: a forward of given shapes compiles
+    once per test run (a minute on two cores), then every build of those shapes reuses it."""
+    return tmp_path_factory.mktemp("kernel-cache")
 
 
 RunFlare = Callable[..., subprocess.CompletedProcess[str]]

@@ -60,6 +60,7 @@ def lab_env(backend: str, folder: Path) -> Iterator[dict[str, str]]:
     """The environment of a lab host: a shared registry folder and a fresh index DB URL."""
     with database(backend, folder) as url:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+        env["FLARE_BUILD_TARGET"] = "none"  # eager packages: tests/test_compiled.py compiles
         env |= {
             "FLARE_HOME": str(folder / "home"),
             "XDG_CONFIG_HOME": str(folder / "xdg"),

@@ -323,6 +323,7 @@ def test_same_digest_with_other_workers_host_name_and_clock(
     source = str(checkpoints / "Qwen3ForCausalLM")
     args = ["build", source, "--name", "tiny", "--ranks", "2", "--json"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+    env["FLARE_BUILD_TARGET"] = "none"  # eager packages: tests/test_compiled.py compiles
     first = subprocess.run(
         [sys.executable, "-m", "flare", *args, "--workers", "1"],
         env={**env, "FLARE_HOME": str(tmp_path / "a")},
@@ -362,6 +363,7 @@ def test_check_says_identical_or_lists_what_differs(checkpoints: Path, tmp_path:
     source = tmp_path / "ckpt"
     shutil.copytree(checkpoints / "LlamaForCausalLM", source)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+    env["FLARE_BUILD_TARGET"] = "none"  # eager packages: tests/test_compiled.py compiles
     env["FLARE_HOME"] = str(tmp_path / "home")
 
     def flare(*args: str) -> subprocess.CompletedProcess[str]:

@@ -3,6 +3,7 @@ what differs and what to do, before anything is copied."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +123,55 @@ def test_a_revision_other_than_the_one_built(manifest: Manifest, tmp_path: Path)
     assert "not revision fedcba9" in refusal(pinned, revision="fedcba9")
     assert "not revision 0123" in refusal(pinned, revision="0123")  # too short to be a prefix
     assert "no recorded revision" in refusal(manifest, revision="0123456")
+
+
+CPU_TOOLCHAIN = {
+    "toolchain__torch": "2.13.0+cpu",
+    "toolchain__python": "3.11",
+    "toolchain__cpu_isa": "AVX512",
+    "toolchain__cpu_features": ("avx512f", "amx_tile"),
+    "toolchain__forward_code": "0123abcd",
+}
+COMPILING_HOST = HostToolchain(
+    runtime_abi=RUNTIME_ABI,
+    recipes={"llama": 1, "bert": 1},
+    device="cpu",
+    devices=1,
+    torch="2.13.0+cpu",
+    python="3.11",
+    cpu_isa="AVX512",
+    cpu_features=("avx2", "avx512f", "amx_tile"),
+    forward_code="0123abcd",
+)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expect"),
+    [
+        ("python", "3.12", "need Python 3.12; this host has 3.11"),
+        ("cpu_isa", "AVX2", "need CPU ISA level AVX2; this host has AVX512"),
+        ("forward_code", "feedbeef", "need flare forward code feedbeef"),
+        ("cpu_features", ("avx512f", "amx_fp16"), "CPU features this host lacks: amx_fp16"),
+    ],
+)
+def test_cpu_artifacts_need_their_toolchain_unless_the_server_compiles(
+    manifest: Manifest, field: str, value: Any, expect: str
+) -> None:
+    compiled = changed(manifest, **{**CPU_TOOLCHAIN, f"toolchain__{field}": value})
+    check_compatible(changed(manifest, **CPU_TOOLCHAIN), COMPILING_HOST)
+    message = refusal(compiled, COMPILING_HOST)
+    assert expect in message and "--compile-on-start" in message
+    check_compatible(compiled, replace(COMPILING_HOST, compiles=True))
+
+
+def test_artifacts_prepared_for_another_device_are_refused(manifest: Manifest) -> None:
+    data = manifest.model_dump(mode="python")
+    data["artifacts"] = [
+        {**data["artifacts"][0], "kind": "compiled", "target": "cuda", "shapes": {}},
+        *data["artifacts"][1:],
+    ]
+    for_gpu = Manifest.model_validate(data, strict=False)
+    message = refusal(for_gpu, COMPILING_HOST)
+    assert "prepared for cuda; this server runs on cpu" in message
+    assert "--device cuda" in message
+    check_compatible(for_gpu, replace(COMPILING_HOST, compiles=True))

@@ -39,6 +39,7 @@ class Host:
     def __init__(self, root: Path) -> None:
         self.root = root
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+        env["FLARE_BUILD_TARGET"] = "none"  # eager packages: tests/test_compiled.py compiles
         self.env = env | {"FLARE_HOME": str(root), "XDG_CONFIG_HOME": str(root / "xdg")}
 
     def run(self, *args: str, code: int = 0) -> subprocess.CompletedProcess[str]:

@@ -33,6 +33,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def env_for(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+    env["FLARE_BUILD_TARGET"] = "none"  # eager packages: tests/test_compiled.py compiles
     return {**env, "FLARE_HOME": str(home), "XDG_CONFIG_HOME": str(home / "xdg"), **extra}
 
 

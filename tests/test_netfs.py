@@ -42,6 +42,7 @@ class Host:
             "XDG_CONFIG_HOME": str(home / "xdg"),
             "FLARE_REGISTRY": str(self.registry),
             "FLARE_CACHE_WINDOW": f"{DCACHE_S}s",
+            "FLARE_BUILD_TARGET": "none",  # eager packages: tests/test_compiled.py compiles
         }
 
     def run(

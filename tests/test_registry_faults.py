@@ -68,6 +68,7 @@ def test_a_copy_killed_while_it_creates_the_new_registry_s_index_db(
 ) -> None:
     """Seen in the field: `registry copy --to NEW` killed as it made NEW's SQLite index."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+    env["FLARE_BUILD_TARGET"] = "none"  # eager packages: tests/test_compiled.py compiles
     env |= {"FLARE_HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
     flare(env, "build", str(sources / "tiny-0"), "--name", "a")
     new = str(tmp_path / "new")
@@ -239,6 +240,7 @@ def host(tmp_path: Path, sources: Path) -> dict[str, str]:
     """One host with alice's signing key, a and b built (and signed), and garbage to collect:
     a build of c, removed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+    env["FLARE_BUILD_TARGET"] = "none"  # eager packages: tests/test_compiled.py compiles
     env |= {"FLARE_HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
     env |= {"FLARE_REGISTRY": str(tmp_path / "home" / "registry")}
     flare(env, "key", "generate", "--publisher", "alice")

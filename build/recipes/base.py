@@ -41,6 +41,9 @@ class Recipe(Protocol):
     name: str
     version: int
     architectures: tuple[str, ...]
+    compiled_forward: bool
+    """Whether serve runs this family through a compiled forward (tune and compile prepare
+    one for a device target); an embedding model serves eagerly."""
 
     def expected(self, config: Mapping[str, Any], ranks: int) -> dict[str, Expected]:
         """Every tensor the checkpoint must hold, with its shape and split."""

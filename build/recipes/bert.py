@@ -20,6 +20,7 @@ class BertRecipe:
     name = "bert"
     version = 1
     architectures = ("BertModel",)
+    compiled_forward = False
 
     def check_ranks(self, config: Mapping[str, Any], ranks: int) -> None:
         if ranks != 1:

@@ -25,6 +25,7 @@ class LlamaRecipe:
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
     )
+    compiled_forward = True
 
     def check_ranks(self, config: Mapping[str, Any], ranks: int) -> None:
         sizes = read_sizes(self.name, config)

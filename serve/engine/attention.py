@@ -158,10 +158,12 @@ def make_attention(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    variant: str | None = None,
 ) -> tuple[str, AttentionBackend]:
     """The backend `kind` names, with its name. "auto": FlashInfer where it can run (CUDA,
     the package installed, a 16-bit dtype, a head size its kernels take), else the torch
-    reference; "flashinfer" where it cannot is refused with the reason."""
+    reference; "flashinfer" where it cannot is refused with the reason. `variant` is the
+    tuned FlashInfer decode kernel (serve/tuning.py), if any."""
     if kind not in ATTENTION_KINDS:
         raise InvalidInputError(
             f"unknown attention backend {kind!r}", f"use one of {', '.join(ATTENTION_KINDS)}"
@@ -175,7 +177,9 @@ def make_attention(
         return "torch", TorchPagedAttention(spec, num_slots, dtype, device)
     from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention
 
-    return "flashinfer", FlashInferPagedAttention(spec, num_slots, block_size, dtype, device)
+    tensor_cores = {"tensor-cores": True, "cuda-cores": False}.get(variant or "")
+    backend = FlashInferPagedAttention(spec, num_slots, block_size, dtype, device, tensor_cores)
+    return "flashinfer", backend
 
 
 def flashinfer_unfit(spec: AttentionSpec, dtype: torch.dtype, device: torch.device) -> str | None:

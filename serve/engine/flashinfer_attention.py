@@ -35,7 +35,11 @@ class FlashInferPagedAttention:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        tensor_cores: bool | None = None,
     ) -> None:
+        """`tensor_cores`: run the decode kernel on tensor cores (tuning measures which is
+        faster); None takes FlashInfer's advice, from TENSOR_CORE_GROUP query heads per KV
+        head."""
         import flashinfer
 
         self.cache = PagedKVCache(spec, num_slots, dtype, device)
@@ -46,7 +50,9 @@ class FlashInferPagedAttention:
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace,
             "NHD",
-            use_tensor_cores=spec.num_heads // spec.num_kv_heads >= TENSOR_CORE_GROUP,
+            use_tensor_cores=tensor_cores
+            if tensor_cores is not None
+            else spec.num_heads // spec.num_kv_heads >= TENSOR_CORE_GROUP,
         )
         self._meta: AttentionMetadata | None = None
         self._wrapper: Any = None

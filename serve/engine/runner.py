@@ -25,25 +25,61 @@ class CausalLM(Protocol):
         """Logits [rows, vocab] for the given hidden states."""
 
 
+class Forward(Protocol):
+    """A step's forward: flat token ids and positions, the rows whose logits are wanted, the
+    planned attention backend → float32 logits [rows, vocab]. Eager (`EagerForward`) or
+    compiled (serve/compiled.py)."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        last: torch.Tensor,
+        attention: AttentionBackend,
+    ) -> torch.Tensor: ...
+
+
+class EagerForward:
+    """The model's forward as written, op by op."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        last: torch.Tensor,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        hidden = self.model.forward(input_ids, positions, attention)
+        return self.model.compute_logits(hidden[last]).float()
+
+
 class ModelRunner:
     """Owns the model and its attention backend; one `run` per engine step."""
 
     def __init__(
-        self, model: CausalLM, attention: AttentionBackend, block_size: int, device: torch.device
+        self,
+        model: CausalLM,
+        attention: AttentionBackend,
+        block_size: int,
+        device: torch.device,
+        forward: Forward | None = None,
     ) -> None:
         self.model = model
         self.attention = attention
         self.block_size = block_size
         self.device = device
+        self.forward = forward or EagerForward(model)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], prefill: bool) -> torch.Tensor:
         """Float32 logits [len(seqs), vocab] at each sequence's last position."""
         input_ids, positions, meta = self.prepare(seqs, prefill)
         self.attention.plan(meta)
-        hidden = self.model.forward(input_ids, positions, self.attention)
         last = meta.query_start_loc[1:] - 1
-        return self.model.compute_logits(hidden[last]).float()
+        return self.forward(input_ids, positions, last, self.attention)
 
     def prepare(
         self, seqs: list[Sequence], prefill: bool

@@ -8,6 +8,7 @@ so no memory is spent on initial values that the payloads overwrite.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,6 +36,22 @@ FAMILIES: dict[tuple[str, int], tuple[str, Callable[[PackageFiles], nn.Module]]]
     ("bert", 1): ("embed", _bert),
 }
 """(recipe name, recipe version) → (what the model does, how to build it)."""
+
+
+COMPILED: dict[tuple[str, int], Callable[[dict[str, Any]], nn.Module]] = {
+    ("llama", 1): LlamaForCausalLM,
+}
+"""(recipe name, recipe version) → the generating model a compiled forward is traced from."""
+
+
+def empty_model(
+    recipe: str, version: int, config: dict[str, Any], device: torch.device, dtype: torch.dtype
+) -> nn.Module:
+    """A model of these shapes whose weights were never set: what `flare build` compiles a
+    forward from (weights are the compiled graph's inputs, so their values never matter)."""
+    with torch.device("meta"):
+        model = COMPILED[(recipe, version)](config)
+    return model.to_empty(device=device).to(dtype).eval()
 
 
 def model_kind(files: PackageFiles) -> str:

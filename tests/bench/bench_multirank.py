@@ -38,6 +38,7 @@ PHASES = ("rendezvous", "resolve", "load", "shard", "assemble", "publish")
 
 def env_for(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+    env["FLARE_BUILD_TARGET"] = "none"  # eager packages, as the recorded figures were
     return {**env, "FLARE_HOME": str(home), "XDG_CONFIG_HOME": str(home / "xdg")}
 
 

@@ -64,6 +64,7 @@ def host_env(home: Path, registry: Path) -> dict[str, str]:
         "FLARE_HOME": str(home),
         "XDG_CONFIG_HOME": str(home / "xdg"),
         "FLARE_REGISTRY": str(registry),
+        "FLARE_BUILD_TARGET": "none",  # eager packages, as the recorded figures were
     }
 
 

@@ -55,6 +55,7 @@ def prepare(home: Path) -> tuple[dict[str, str], Path]:
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
     env |= {"FLARE_HOME": str(home), "XDG_CONFIG_HOME": str(home / "xdg")}
+    env["FLARE_BUILD_TARGET"] = "none"  # eager packages, as the recorded figures were
     source = make_tiny_llama(home / "tiny-llama")
     flare = [sys.executable, "-m", "flare"]
     for args in (("key", "generate", "--publisher", "bench"), ("build", source, "--name", "tiny")):

@@ -81,12 +81,13 @@ def flare_command() -> list[str]:
 
 
 def flare_env(home: Path, config_home: Path, **settings: str | None) -> dict[str, str]:
-    """This environment with every FLARE_ setting dropped but FLARE_HOME and the given ones
-    (`registry="..."` sets FLARE_REGISTRY; None sets nothing). XDG_CONFIG_HOME points at
-    an empty folder so that no user config file redirects the staging folder or the
-    registry."""
+    """This environment with every FLARE_ setting dropped but FLARE_HOME, FLARE_BUILD_TARGET
+    (none: builds compile nothing unless a bench says --target) and the given ones
+    (`registry="..."` sets FLARE_REGISTRY; None sets nothing). XDG_CONFIG_HOME points at an
+    empty folder so that no user config file redirects the staging folder or the registry."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
     env["FLARE_HOME"] = str(home)
     env["XDG_CONFIG_HOME"] = str(config_home)
+    env["FLARE_BUILD_TARGET"] = "none"  # builds prepare nothing unless a bench asks (--target)
     env.update({f"FLARE_{key.upper()}": value for key, value in settings.items() if value})
     return env

@@ -106,6 +106,7 @@ class Home:
             "FLARE_HOME": str(root),
             "XDG_CONFIG_HOME": str(xdg),
             "FLARE_MEMORY_RESERVE": "0",
+            "FLARE_BUILD_TARGET": "none",  # eager packages: a trial never compiles
             "FLARE_REGISTRY": str(registry or root / "registry"),
         }
         if database:

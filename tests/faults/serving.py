@@ -62,7 +62,7 @@ class Server:
         for line in stream:
             lines.append(line)
             if line.startswith("serving ") and " at http" in line:
-                self.url = line.rsplit(" at ", 1)[1].strip()
+                self.url = line[line.index("http://") :].split()[0]  # then "(ready in ...)"
                 self._ready.set()
         if stream is self.process.stdout:
             self._ready.set()

@@ -1,0 +1,116 @@
+"""What a package prepared for this runtime, and how its forward runs: the start's plan.
+
+A package built for a device target carries tuning records (serve/tuning.py) and a compiled
+forward (serve/compiled.py) for it. Compatibility was checked at admission (serve/compat.py):
+artifacts made with another toolchain never get here unless the server compiles itself
+(`--compile-on-start`). So at start a generating runtime either
+
+- runs the package's compiled forward: its archive is unpacked once into a folder of the host
+  cache named by the archive's digest (shared by every server of it), Inductor is pointed at
+  it, and warm-up traces the step and loads the graph and its kernels: nothing is compiled;
+- compiles at start (`--compile-on-start`), into a folder of the host cache for this package
+  and host, and says how long it took;
+- or runs eagerly: a package built before targets existed, or for target none, is uncompiled.
+
+`StartReport` is what the server prints when it is ready: start-to-ready with its parts and
+the compilations the start made.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flare.serve.compilations import Compilations
+from flare.serve.models.files import PackageFiles
+from flare.serve.tuning import Decisions
+from flare.store.digest import Digest
+
+COMPILE_MODES = ("package", "start", "off")
+"""`package`: the package's compiled forward if it has one (else eager); `start`: compile at
+start whatever the package holds; `off`: eager."""
+
+
+@dataclass(frozen=True)
+class RuntimeArtifacts:
+    """The plan for one start: how the forward runs and from where."""
+
+    forward: str
+    """`package` (compiled, from the package), `start` (compiled now) or `eager`."""
+    decisions: Decisions | None
+    """The package's tuning decisions for this device, if it has them and they are used."""
+    archive: bytes | None = None
+    """The compiled forward's archive, checked against its digest (forward `package`)."""
+    folder: Path | None = None
+    """The Inductor cache folder the forward runs from (compiled forwards)."""
+    why: str = ""
+    """Why the forward is eager, when it is."""
+
+
+def runtime_artifacts(
+    package: PackageFiles, device: str, compile_mode: str, root: Path | None
+) -> RuntimeArtifacts:
+    """The start's plan for `package` on `device` (`root`: the host cache's folder for
+    compiled forwards; None: a temporary one, removed at exit)."""
+    own = {a.kind: a for a in package.manifest.artifacts if a.target == device}
+    tuning, compiled = own.get("tuning"), own.get("compiled")
+    if compile_mode == "off":
+        return RuntimeArtifacts("eager", None, why="compiling is off")
+    decisions = _decisions(package, tuning.path) if tuning is not None else None
+    if compile_mode == "start":
+        key = Digest.parse(package.manifest.inputs).hex[:32]
+        folder = _root(root) / "start" / f"{key}-{device}"
+        return RuntimeArtifacts("start", decisions, folder=folder)
+    if compiled is None:
+        why = f"the package has no compiled forward for {device}"
+        return RuntimeArtifacts("eager", None, why=why)
+    archive = package.artifact(compiled.path)
+    folder = _root(root) / Digest.parse(compiled.digest).hex
+    return RuntimeArtifacts("package", decisions, archive=archive, folder=folder)
+
+
+def _decisions(package: PackageFiles, path: str) -> Decisions:
+    return Decisions.from_records(package.json(path, list) or [])
+
+
+def _root(root: Path | None) -> Path:
+    if root is not None:
+        return root
+    scratch = Path(tempfile.mkdtemp(prefix="flare-compiled-"))
+    atexit.register(shutil.rmtree, scratch, True)
+    return scratch
+
+
+@dataclass
+class StartReport:
+    """Start-to-ready and its parts, and what the start compiled."""
+
+    forward: str
+    why: str = ""
+    artifacts: float = 0.0
+    """Seconds to unpack the compiled forward (0 when it already was) and point Inductor at it."""
+    warm_up: float = 0.0
+    """Seconds the first steps took: tracing and loading (or compiling) the forward."""
+    compilations: Compilations = field(default_factory=Compilations)
+    """What the start made (nothing compiled, for a package's matching compiled forward)."""
+
+    def describe(self) -> str:
+        """How the forward runs and what its start made."""
+        if self.forward == "eager":
+            return f"forward uncompiled: {self.why}"
+        if self.forward == "package":
+            return f"forward compiled, from the package: {self.compilations.describe()}"
+        took = self.artifacts + self.warm_up
+        return f"forward compiled at start in {took:.1f} s: {self.compilations.describe()}"
+
+    def timeline(self, pull: float, load: float, total: float) -> str:
+        """Start-to-ready with its parts, for the ready line: `load` is the runtime's whole
+        load, of which the artifacts and warm-up are shown apart."""
+        weights = load - self.artifacts - self.warm_up
+        parts = f"pull {pull:.2f} s, load {weights:.2f} s"
+        if self.forward != "eager":
+            parts += f", artifacts {self.artifacts:.2f} s, warm-up {self.warm_up:.2f} s"
+        return f"ready in {total:.2f} s: {parts}; {self.describe()}"

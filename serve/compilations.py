@@ -1,0 +1,98 @@
+"""Every compilation in this process, counted, so a server can say none happened after ready.
+
+A compilation here is anything that turns code into machine code while the process runs:
+Dynamo tracing a frame (the start of every torch.compile graph, and of every recompile a
+failed guard causes), Inductor compiling a graph its cache did not hold, a C++ or Triton
+kernel built, a CUDA graph recorded. Loading a graph Inductor's cache holds (what a package's
+compiled forward is at start) is counted apart, as a load: it reads code, it makes none.
+
+The figures are process-wide (Dynamo and Inductor are): a runtime takes a snapshot when it
+is ready and reports what happened since.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import Counter
+from dataclasses import dataclass, fields
+
+_events: Counter[str] = Counter()
+_lock = threading.Lock()
+_watching = False
+
+
+@dataclass(frozen=True)
+class Compilations:
+    """Totals since the process started (or, subtracted, between two snapshots)."""
+
+    traced: int = 0
+    """Frames Dynamo traced (a graph's first call, or a recompile)."""
+    compiled: int = 0
+    """Graphs Inductor compiled because its cache did not hold them."""
+    kernels: int = 0
+    """C++ and Triton kernels built."""
+    recorded: int = 0
+    """CUDA graphs recorded."""
+    loaded: int = 0
+    """Graphs Inductor loaded from its cache (not a compilation)."""
+
+    @property
+    def total(self) -> int:
+        """Everything that made code: all but the loads."""
+        return self.traced + self.compiled + self.kernels + self.recorded
+
+    def __sub__(self, other: Compilations) -> Compilations:
+        return Compilations(
+            **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
+        )
+
+    def describe(self) -> str:
+        """One phrase for the ready line: `2 traced, 0 compiled (1 loaded), 0 kernels built`."""
+        text = f"{self.traced} traced, {self.compiled} compiled ({self.loaded} loaded)"
+        text += f", {self.kernels} kernels built"
+        return text + (f", {self.recorded} CUDA graphs recorded" if self.recorded else "")
+
+
+def watch() -> None:
+    """Count Dynamo's compile triggers from now on (idempotent). Call before the first
+    compile; without it a process that never imports the compiler counts nothing, truly."""
+    global _watching
+    with _lock:
+        if _watching:
+            return
+        from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+        def started(args: object) -> None:
+            trigger = getattr(args, "callback_trigger", None)
+            if trigger is CallbackTrigger.CUDAGRAPH_RECORDING:
+                note("recorded")
+            elif trigger is not CallbackTrigger.TRITON_AUTOTUNING:
+                note("traced")
+
+        callback_handler.register_start_callback(started)
+        _watching = True
+
+
+def note(event: str) -> None:
+    """Count one event (`kernels` from flare's compile hook, the rest from `watch`)."""
+    with _lock:
+        _events[event] += 1
+
+
+def snapshot() -> Compilations:
+    """The totals now."""
+    inductor: dict[str, int] = {}
+    if "torch._dynamo" in sys.modules:
+        from torch._dynamo.utils import counters
+
+        inductor = dict(counters["inductor"])
+    with _lock:
+        events = dict(_events)
+    return Compilations(
+        traced=events.get("traced", 0),
+        compiled=inductor.get("fxgraph_cache_miss", 0) + inductor.get("fxgraph_cache_bypass", 0),
+        kernels=events.get("kernels", 0) + inductor.get("async_compile_cache_miss", 0),
+        recorded=events.get("recorded", 0),
+        loaded=inductor.get("fxgraph_cache_hit", 0),
+    )

@@ -1,0 +1,138 @@
+"""The compiled forward: one torch.compile graph per model for every batch it will see.
+
+A step's forward (embeddings, every layer, the final norm, the last positions' logits) is
+compiled once, with the token and sequence dimensions unbacked, so one graph serves prefills
+and decodes of any size with no recompile; attention is the opaque `flare::paged_attention`
+operator (engine/attention_op.py). Weights are the graph's inputs, never its constants, so a
+compiled forward holds code only and any package of the same shapes can run it.
+
+`flare build` compiles it (serve/prepare.py, in a fresh process and Inductor cache) and ships
+Inductor's cache folder as an artifact (serve/inductor_archive.py); `flare serve` unpacks it,
+points Inductor at it and runs `warm_up` before it says ready: Dynamo traces the step, Inductor
+finds the graph and its kernels in the unpacked cache and loads them, nothing is compiled.
+Both sides apply `settings()` first: Inductor keys its cache by its configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flare.serve import compilations
+from flare.serve.engine.attention import AttentionBackend
+from flare.serve.engine.attention_op import OperatorAttention, bound_attention
+from flare.serve.engine.block_manager import BlockManager
+from flare.serve.engine.runner import ModelRunner
+from flare.serve.engine.sequence import SamplingParams, Sequence
+
+MARCH = {"AVX512": "x86-64-v4", "AVX2": "x86-64-v3"}
+"""The baseline each x86 ISA level compiles for, instead of -march=native: a kernel built
+on one CPU of a level runs on every other of that level (the ISA's own flags, such as
+-mavx512bf16, come from the features the toolchain records)."""
+
+WARM_UP = ((3, 5), (1,))
+"""The prompt lengths of warm-up's batches, each prefilled then decoded once: two sequences
+together, then one of a single token. Shorter than a KV block, so nothing enters the prefix
+cache."""
+
+_installed = False
+
+
+def settings() -> None:
+    """Configure Inductor as every flare compile and load does (idempotent).
+
+    The choices are part of Inductor's cache keys, so build and serve must make the same:
+    single-threaded fused kernels (matrix products still run on torch's threads): at decode
+    sizes an OpenMP region per kernel cost more than it saved (tiny Llama decode 0.21x eager
+    with them, 0.9-1.2x without: docs/performance.md), and no thread count is compiled in;
+    ISA detection from the CPU's flags (not by building a probe per ISA, 17 s here); a fixed
+    -march per ISA level; no precompiled headers (with them, loading a kernel runs the
+    preprocessor to key the header); and the compiler hook below."""
+    global _installed
+    if _installed:
+        return
+    import torch._inductor.config as inductor
+
+    inductor.cpp.threads = 1
+    inductor.cpp.vec_isa_ok = True
+    inductor.cpp.march = MARCH.get(torch.backends.cpu.get_cpu_capability())
+    inductor.cpp_cache_precompile_headers = False
+    _hook_compiler()
+    compilations.watch()
+    _installed = True
+
+
+def _hook_compiler() -> None:
+    """Every C++ build Inductor runs, counted, and with source paths made relative.
+
+    Inductor compiles `<cache dir>/xx/<key>.cpp` by absolute path, and its bounds checks
+    (TORCH_CHECK) embed __FILE__, as does the debug line table, so a kernel built in another
+    cache folder differed in those bytes; mapping the cache folder away makes the same source
+    give the same shared object wherever it is built. The cache keys do not include the map: they
+    are computed before the command runs."""
+    from torch._inductor import cpp_builder
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    run = cpp_builder.run_compile_cmd
+
+    def compile_relative(cmd_line: str, cwd: str) -> None:
+        compilations.note("kernels")
+        maps = (f"{cache_dir()}/=",)
+        run(cmd_line + "".join(f" {shlex.quote('-ffile-prefix-map=' + m)}" for m in maps), cwd)
+
+    cpp_builder.run_compile_cmd = compile_relative
+
+
+def use_cache_folder(folder: Path) -> None:
+    """Point Inductor at `folder` (read at every lookup, so before the first compile)."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+
+
+class CompiledForward:
+    """A model's step compiled: (input ids, positions, last rows) → float32 logits."""
+
+    def __init__(self, model: Any) -> None:
+        settings()
+        self.model = model
+        self._operator = OperatorAttention()
+        self._compiled = torch.compile(self._step, fullgraph=True, isolate_recompiles=True)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        last: torch.Tensor,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        for tensor in (input_ids, positions, last):
+            torch._dynamo.decorators.mark_unbacked(tensor, 0)
+        with bound_attention(attention):
+            return self._compiled(input_ids, positions, last)
+
+    def _step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = self.model.forward(input_ids, positions, self._operator)
+        return self.model.compute_logits(hidden[last]).float()
+
+
+def warm_up(runner: ModelRunner, blocks: BlockManager) -> None:
+    """Run a prefill and a decode of each kind through `runner`, so its forward is traced
+    and loaded (or compiled) now; the sequences' blocks are freed and forgotten after."""
+    greedy = SamplingParams(temperature=0)
+    for lengths in WARM_UP:
+        seqs = [Sequence(list(range(1, n + 1)), greedy, max_tokens=2) for n in lengths]
+        for seq in seqs:
+            blocks.allocate(seq)
+        runner.run(seqs, prefill=True)
+        for seq in seqs:
+            seq.append(1)
+            blocks.append_slot(seq)
+        runner.run(seqs, prefill=False)
+        for seq in seqs:
+            blocks.free_sequence(seq)
+            blocks.forget(seq)

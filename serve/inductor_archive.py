@@ -1,0 +1,115 @@
+"""Inductor's cache folder as a package artifact: packed deterministically, unpacked to serve.
+
+What a compiled forward needs at start is in Inductor's cache folder after it compiled: the
+FX graph entries (the generated wrapper code and its guards), AOTAutograd's entries that lead
+to them, and the built kernels (`.so`; on CUDA the Triton cache). torch's Mega-Cache
+(`torch.compiler.save_cache_artifacts`) carries the entries but not the kernels, which the
+first call then builds again (19 s here), so flare ships the folder's files themselves.
+
+The same compile gives the same archive bytes: members sorted by name, with fixed times,
+modes and owners and no absolute path. Three things in Inductor's pickled entries are not
+stable from one compile to the next and are normalized when packed: the compile time
+(`_time_taken_ns`, `forward_time_taken_ns`), the repro script that names the cache folder
+(`runnable_graph_str`), and debug lines that print a function's memory address
+(`_fx_graph_cache_debug_lines`). None is read when a graph is loaded. Kernels are byte-stable
+once their source paths are relative (serve/compiled.py's compiler hook). Everything else in
+the folder (sources, locks, Python wrappers Inductor writes again on load) stays out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from flare.store.errors import IntegrityError
+
+KERNEL_SUFFIXES = (".so",)
+GRAPHS = "fxgraph"
+AUTOGRAD = "aotautograd"
+TRITON = "triton"
+
+
+def pack(cache: Path, archive: Path) -> list[str]:
+    """Write the cache folder's entries and kernels to `archive`; return the member names."""
+    members = sorted(_members(cache))
+    with tarfile.open(archive, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o755 if name.endswith(KERNEL_SUFFIXES) else 0o644
+            info.mtime = 0
+            tar.addfile(info, io.BytesIO(data))
+    return [name for name, _ in members]
+
+
+def unpack(archive: bytes, folder: Path) -> bool:
+    """Unpack the `archive` bytes (checked as the package was loaded) into `folder` unless it is
+    already there (True when it was).
+
+    Unpacked beside the folder, then renamed into place: a folder that exists is complete,
+    and servers starting at once race harmlessly."""
+    if folder.is_dir():
+        return True
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(scratch, filter="data")
+        try:
+            os.rename(scratch, folder)
+        except OSError:
+            if not folder.is_dir():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return False
+
+
+def _members(cache: Path) -> Iterator[tuple[str, bytes]]:
+    for path in cache.rglob("*"):
+        if not path.is_file() or path.is_symlink():
+            continue
+        name = path.relative_to(cache).as_posix()
+        top = name.split("/", 1)[0]
+        if top == GRAPHS:
+            yield _normalized(name, path.read_bytes(), _graph_entry)
+        elif top == AUTOGRAD:
+            yield _normalized(name, path.read_bytes(), _autograd_entry)
+        elif top == TRITON or (name.endswith(KERNEL_SUFFIXES) and "/" in name):
+            yield name, path.read_bytes()
+
+
+def _normalized(name: str, data: bytes, clean: Callable[[Any], None]) -> tuple[str, bytes]:
+    """A pickled cache entry without its unstable fields, named by its new content (Inductor
+    reads every file of an entry's folder, whatever its name)."""
+    try:
+        entry = pickle.loads(data)
+    except Exception as exc:  # any unpickling error: the cache is not what flare expects
+        raise IntegrityError(f"Inductor cache entry {name} does not load: {exc}") from exc
+    clean(entry)
+    stable = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
+    folder = name.rsplit("/", 1)[0]
+    return f"{folder}/{hashlib.sha256(stable).hexdigest()[:32]}", stable
+
+
+def _graph_entry(graph: Any) -> None:
+    graph._time_taken_ns = 0
+    graph.runnable_graph_str = ""
+    graph._fx_graph_cache_debug_lines = []
+
+
+def _autograd_entry(entry: Any) -> None:
+    entry.forward_time_taken_ns = 0
+    entry.backward_time_taken_ns = 0
+    for part in (entry.compiled_fw, entry.compiled_bw):
+        info = getattr(part, "fx_graph_cache_info", None)
+        if info is not None:
+            part.fx_graph_cache_info = (info[0], [])

@@ -1,0 +1,109 @@
+"""What `flare build`'s tune and compile phases run: this runtime's own code, in a fresh process.
+
+    python -m flare.serve.prepare tune SPEC.json OUT.json
+    python -m flare.serve.prepare compile SPEC.json OUT_FOLDER
+
+build runs this as a program rather than importing it: what is prepared must come from the
+code that serves it, and a fresh process starts with empty in-memory compile caches (a kernel
+an earlier compile in the same process loaded would otherwise be missing from the folder that
+is packed) and with TORCHINDUCTOR_CACHE_DIR set before the compiler is imported. Build sets
+PYTHONHASHSEED so nothing ordered by a string hash differs between builds.
+
+tune writes the tuning records (serve/tuning.py). compile writes `forward.tar`, the Inductor
+cache folder of the compiled forward (serve/inductor_archive.py) with, on CUDA, the FlashInfer
+modules its attention built (serve/flashinfer_modules.py), and `result.json`: the shapes it
+covers and what compiling it took. A failure prints one line on stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flare.serve import compilations, flashinfer_modules
+from flare.serve.compiled import CompiledForward, use_cache_folder, warm_up
+from flare.serve.engine.attention import make_attention
+from flare.serve.engine.block_manager import BlockManager
+from flare.serve.engine.runner import ModelRunner
+from flare.serve.inductor_archive import pack
+from flare.serve.models import empty_model
+from flare.serve.tuning import Decisions, tune
+
+ARCHIVE = "forward.tar"
+RESULT = "result.json"
+WARM_UP_BLOCKS = 16
+"""KV blocks the compile's own runner has: enough for warm-up's few short sequences."""
+
+
+def compile_forward(spec: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Compile the forward of the spec's model shapes in a fresh Inductor cache under `out`,
+    pack that cache, and say what it covers."""
+    started = time.perf_counter()
+    use_cache_folder(out / "inductor")
+    if spec["target"] == "cuda":
+        flashinfer_modules.build_into(out)
+    decisions = Decisions.from_records(spec["records"])
+    device, dtype = torch.device(spec["target"]), decisions.torch_dtype
+    recipe = spec["recipe"]
+    model = empty_model(recipe["name"], recipe["version"], spec["config"], device, dtype)
+    block = decisions.page_size
+    _, attention = make_attention(
+        decisions.backend,
+        model.attention_spec,
+        WARM_UP_BLOCKS * block,
+        block,
+        dtype,
+        device,
+        decisions.variant,
+    )
+    forward = CompiledForward(model)
+    runner = ModelRunner(model, attention, block, device, forward)
+    before = compilations.snapshot()
+    warm_up(runner, BlockManager(WARM_UP_BLOCKS, block))
+    made = compilations.snapshot() - before
+    if made.compiled != 1 or made.traced != 1:
+        raise RuntimeError(f"the forward compiled into {made.describe()}, not one graph")
+    if spec["target"] == "cuda":
+        flashinfer_modules.collect(out, out / "inductor")
+    members = pack(out / "inductor", out / ARCHIVE)
+    shapes = {
+        **spec["plan"],
+        "dtype": decisions.dtype,
+        "kv_block_size": block,
+        "dynamic": ["tokens", "sequences"],
+    }
+    return {
+        "shapes": shapes,
+        "members": len(members),
+        "kernels": made.kernels,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3 or argv[0] not in ("tune", "compile"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    action, spec_path, out = argv[0], Path(argv[1]), Path(argv[2])
+    spec = json.loads(spec_path.read_text())
+    try:
+        if action == "tune":
+            records = tune(spec["target"], spec["shapes"], spec["decode_batch_sizes"])
+            out.write_text(json.dumps(records))
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+            result = compile_forward(spec, out)
+            (out / RESULT).write_text(json.dumps(result))
+    except Exception as exc:  # any failure: one line for the build to show
+        print(f"{action} failed: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,356 @@
+"""Runtime packages on the CPU: tune and compile prepare what serve runs, nothing compiles after
+ready, and artifacts made for another toolchain are refused at admission.
+
+Compiling a forward takes most of a minute on two cores, so every build here shares the
+session's kernel cache (conftest's `kernel_cache`): the tiny Llama and Qwen3 shapes compile once
+each; `--check` and `--compile-on-start` compile once more each, because that is their job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from checkpoints import make_llama
+
+from flare.build.target import decode_batch_sizes
+from flare.registry.refs import read_manifest, tag_package
+from flare.serve.inductor_archive import pack, unpack
+from flare.serve.runtime import GenerateRuntime, SamplingParams, load_runtime
+from flare.store.blobs import BlobStore
+from flare.store.digest import Digest
+from flare.store.package import (
+    MANIFEST_KEY,
+    Manifest,
+    canonical_json,
+    decode_index,
+    encode_index,
+)
+from flare.store.safetensors import encode_header
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+MAX_CONCURRENCY = 8
+"""Small, so the mixed load below fills whole decode batches of every size up to it."""
+
+
+class Host:
+    """A FLARE_HOME with a signing key, sharing the session's kernel cache."""
+
+    def __init__(self, root: Path, kernel_cache: Path) -> None:
+        self.root = root
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+        self.env = env | {
+            "FLARE_HOME": str(root / "home"),
+            "XDG_CONFIG_HOME": str(root / "xdg"),
+            "FLARE_KERNEL_CACHE": str(kernel_cache),
+        }
+
+    def flare(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "flare", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert not check or done.returncode == 0, (args, done.stderr)
+        return done
+
+    def build(self, source: Path, name: str, *options: str) -> dict[str, Any]:
+        args = ("build", str(source), "--name", name, "--json", *options)
+        return json.loads(self.flare(*args).stdout)
+
+    @property
+    def store(self) -> BlobStore:
+        return BlobStore(self.root / "home" / "registry")
+
+    def manifest(self, digest: str) -> Manifest:
+        return read_manifest(self.store, Digest.parse(digest))
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory, kernel_cache: Path) -> Host:
+    """Tiny Llama and Qwen3 checkpoints, each built for the CPU, signed by alice."""
+    host = Host(tmp_path_factory.mktemp("compiled"), kernel_cache)
+    host.flare("key", "generate", "--publisher", "alice")
+    for arch in ARCHITECTURES:
+        source = make_llama(host.root / arch, arch)
+        host.build(source, arch.lower(), "--target", "cpu", "--max-concurrency", "8")
+    return host
+
+
+def phases(build: dict[str, Any]) -> dict[str, str]:
+    return {p["name"]: p["status"] for p in build["phases"]}
+
+
+def latest(host: Host, name: str) -> Manifest:
+    digest = json.loads(host.flare("registry", "show", name, "--json").stdout)["digest"]
+    return host.manifest(digest)
+
+
+def test_the_manifest_lists_what_tune_and_compile_prepared(host: Host) -> None:
+    manifest = latest(host, "llamaforcausallm")
+    prepared = {a.kind: a for a in manifest.artifacts if a.target is not None}
+    assert set(prepared) == {"tuning", "compiled"}
+    compiled = prepared["compiled"]
+    assert compiled.target == "cpu" and compiled.path == "runtime/forward-cpu.tar"
+    assert compiled.shapes["decode_batch_sizes"] == [1, 2, 4, 8]
+    assert compiled.shapes["kv_block_size"] == 16 and compiled.shapes["dtype"] == "float32"
+    assert manifest.options["target"] == "cpu" and manifest.options["max_concurrency"] == 8
+    toolchain = manifest.toolchain
+    assert toolchain.torch == torch.__version__
+    assert toolchain.cpu_isa == torch.backends.cpu.get_cpu_capability()
+    records = json.loads(host.store.read_bytes(Digest.parse(prepared["tuning"].digest)))
+    choice = next(r["choice"] for r in records if r["decision"] == "attention")
+    assert choice == {"backend": "torch", "variant": "sdpa"}
+
+
+def test_a_second_package_of_the_same_shapes_reuses_the_kernel_cache(host: Host) -> None:
+    """Other weights, same shapes: tune and compile are reused, the compiled forward is the
+    same blob (weights never go into it), the payloads are not. --retune decides again."""
+    source = make_llama(host.root / "other-weights", seed=7)
+    options = ("--target", "cpu", "--max-concurrency", "8")
+    build = host.build(source, "retrained", *options)
+    assert phases(build)["tune"] == "reused" and phases(build)["compile"] == "reused"
+    first, second = latest(host, "llamaforcausallm"), host.manifest(build["digest"])
+    assert compiled_blob(second) == compiled_blob(first)
+    assert {p.digest for p in first.payloads}.isdisjoint({p.digest for p in second.payloads})
+    retuned = host.build(source, "retrained", *options, "--retune")
+    assert phases(retuned)["tune"] == "done" and phases(retuned)["compile"] == "reused"
+    assert retuned["digest"] == build["digest"]  # the same decisions: the same package
+
+
+def compiled_blob(manifest: Manifest) -> str:
+    return next(a.digest for a in manifest.artifacts if a.kind == "compiled")
+
+
+@pytest.fixture(scope="module")
+def local_files(host: Host, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Every blob of a built package as a local file (what a pull leaves)."""
+    folder = tmp_path_factory.mktemp("blobs")
+
+    def files(manifest: Manifest) -> dict[str, Path]:
+        return {str(d): host.store.get(d, folder)[0] for d in manifest.blobs()}
+
+    return files
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_compiled_forward_is_loaded_not_compiled_and_matches_transformers(
+    host: Host, local_files: Any, arch: str, tmp_path: Path
+) -> None:
+    manifest = latest(host, arch.lower())
+    runtime = load_runtime(manifest, local_files(manifest), compile_root=tmp_path)
+    assert isinstance(runtime, GenerateRuntime)
+    made = runtime.start_report.compilations
+    assert runtime.start_report.forward == "package"
+    assert (made.compiled, made.kernels, made.loaded) == (0, 0, 1)
+    prompt = runtime.tokenizer.encode("the registry keeps packages on a shared folder").ids
+    runtime.start()
+    try:
+        handle = runtime.submit(prompt, SamplingParams(temperature=0, max_tokens=24))
+        ours = [t for delta in handle for t in delta.token_ids]
+    finally:
+        runtime.stop()
+    assert runtime.compilations_since_ready().total == 0
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(host.root / arch, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24)
+    assert ours == out[0, len(prompt) :].tolist()
+
+
+class Server:
+    """A `flare serve` process: its ready line, base URL and metrics."""
+
+    def __init__(self, host: Host, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "flare", "serve", *args, "--port", "0", "--device", "cpu"],
+            env=host.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        self.ready = self.process.stdout.readline()
+        if "http://" not in self.ready:
+            self.process.kill()
+            pytest.fail(f"flare serve did not start: {self.ready}{self.process.communicate()[1]}")
+        self.url = re.search(r"http://\S+/v1", self.ready)[0]  # type: ignore[index]
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url.removesuffix("/v1") + "/metrics").text
+        return float(re.search(rf"^{name} (\S+)$", text, re.M)[1])  # type: ignore[index]
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.communicate(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(host: Host) -> Iterator[Server]:
+    running = Server(host, "llamaforcausallm")
+    yield running
+    running.stop()
+
+
+def test_ready_says_the_forward_came_from_the_package(server: Server) -> None:
+    assert "forward compiled, from the package" in server.ready
+    assert "0 compiled (1 loaded), 0 kernels built" in server.ready
+    assert re.search(r"ready in [\d.]+ s: pull [\d.]+ s, load [\d.]+ s, artifacts", server.ready)
+
+
+def test_nothing_compiles_after_ready_under_a_mixed_load(server: Server) -> None:
+    """Prompts of 1 to 200 tokens, decode batches of every size up to the max concurrency
+    (and past it: the scheduler queues), streams, streams dropped mid-way."""
+    body = {"model": "llamaforcausallm", "temperature": 0, "ignore_eos": True}
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate([1, 2, 9, 31, 200])]
+
+    def complete(prompt: list[int], tokens: int) -> None:
+        reply = httpx.post(
+            f"{server.url}/completions",
+            json=body | {"prompt": prompt, "max_tokens": tokens},
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+
+    def stream(prompt: list[int], cancel: bool) -> None:
+        request = body | {"prompt": prompt, "max_tokens": 40, "stream": True}
+        with httpx.stream("POST", f"{server.url}/completions", json=request, timeout=120) as r:
+            for number, _ in enumerate(r.iter_lines()):
+                if cancel and number == 3:
+                    break
+
+    for batch in range(1, MAX_CONCURRENCY + 3):
+        jobs = [threading.Thread(target=complete, args=(prompts[i % 5], 6)) for i in range(batch)]
+        jobs += [threading.Thread(target=stream, args=(prompts[batch % 5], batch % 2 == 0))]
+        for job in jobs:
+            job.start()
+        for job in jobs:
+            job.join()
+    assert server.metric("flare_generated_tokens_total") > 100
+    assert server.metric("flare_compilations_total") == 0
+
+
+def test_artifacts_for_another_toolchain_are_refused_unless_compiled_on_start(
+    host: Host,
+) -> None:
+    """A signed package naming another torch: refused at admission with what differs and the
+    fix (exit 12); `--compile-on-start` compiles it and serves it."""
+    manifest = latest(host, "llamaforcausallm")
+    other = manifest.model_copy(
+        update={"toolchain": manifest.toolchain.model_copy(update={"torch": "2.99.0+cpu"})}
+    )
+    index = host.store.put_bytes(encode_index(other)).digest
+    tag_package(host.store, "llamaforcausallm", "other", index)
+    host.flare("sign", "llamaforcausallm:other")
+    refused = host.flare("serve", "llamaforcausallm:other", "--port", "0", check=False)
+    assert refused.returncode == 12
+    assert "need torch 2.99.0+cpu; this host has " + torch.__version__ in refused.stderr
+    assert "--compile-on-start" in refused.stderr
+    server = Server(host, "llamaforcausallm:other", "--compile-on-start")
+    try:
+        compiled = r"forward compiled at start in [\d.]+ s: 1 traced, 1 compiled"
+        assert re.search(compiled, server.ready)
+        reply = httpx.post(
+            f"{server.url}/completions",
+            json={"model": "llamaforcausallm", "prompt": [5, 6, 7], "max_tokens": 8},
+            timeout=120,
+        )
+        assert reply.status_code == 200
+        assert server.metric("flare_compilations_total") == 0
+    finally:
+        server.stop()
+
+
+def test_a_package_without_artifacts_serves_uncompiled_and_says_so(host: Host) -> None:
+    build = host.build(host.root / "LlamaForCausalLM", "eager", "--target", "none")
+    assert not any(a.target for a in host.manifest(build["digest"]).artifacts)
+    server = Server(host, "eager")
+    try:
+        assert "forward uncompiled: the package has no compiled forward for cpu" in server.ready
+    finally:
+        server.stop()
+
+
+def test_check_rebuilds_the_artifacts_byte_for_byte(host: Host) -> None:
+    """A fresh compile (no kernel cache, no journal) with the package's tuning records."""
+    checked = host.flare("build", "--check", "qwen3forcausallm", "--json")
+    result = json.loads(checked.stdout)
+    assert result["identical"] and result["artifacts"] == []
+
+
+def test_bad_runtime_options_are_refused_before_any_work(host: Host) -> None:
+    source = str(host.root / "LlamaForCausalLM")
+    for option, message in (
+        (("--max-concurrency", "0"), "--max-concurrency 0 is not in 1..4096"),
+        (("--prefill-chunk", "0"), "--prefill-chunk 0 takes no token"),
+        (("--target", "tpu"), "unknown build target 'tpu'"),
+    ):
+        done = host.flare("build", source, "--name", "bad", *option, check=False)
+        assert done.returncode == 4 and message in done.stderr
+
+
+def test_decode_batch_sizes_are_powers_of_two_then_the_max() -> None:
+    assert decode_batch_sizes(32) == [1, 2, 4, 8, 16, 32]
+    assert decode_batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert decode_batch_sizes(1) == [1]
+
+
+def test_the_archive_holds_kernels_and_entries_only_with_fixed_metadata(tmp_path: Path) -> None:
+    """Sources, locks and Inductor's rewritten wrappers stay out; the same folder packed
+    from another path, at another time, gives the same bytes."""
+    for root in (tmp_path / "a", tmp_path / "b" / "elsewhere"):
+        (root / "ab").mkdir(parents=True)
+        (root / "ab" / "cabc.main.so").write_bytes(b"\x7fELF kernel")
+        (root / "ab" / "cabc.main.cpp").write_text("// source")
+        (root / "locks").mkdir()
+        (root / "locks" / "cabc.lock").write_text("")
+        (root / "py").mkdir()
+        (root / "py" / "wrapper.py").write_text("# rewritten on load")
+        os.utime(root / "ab" / "cabc.main.so", (1e9 if "b" in root.parts else 2e9,) * 2)
+    assert pack(tmp_path / "a", tmp_path / "a.tar") == ["ab/cabc.main.so"]
+    pack(tmp_path / "b" / "elsewhere", tmp_path / "b.tar")
+    assert (tmp_path / "a.tar").read_bytes() == (tmp_path / "b.tar").read_bytes()
+    assert unpack((tmp_path / "a.tar").read_bytes(), tmp_path / "out") is False
+    assert (tmp_path / "out" / "ab" / "cabc.main.so").read_bytes() == b"\x7fELF kernel"
+    assert unpack((tmp_path / "a.tar").read_bytes(), tmp_path / "out") is True
+
+
+def test_an_index_written_before_the_optional_fields_encodes_to_its_own_bytes() -> None:
+    """Keyless verification encodes a package's manifest again: fields added to the format
+    since (the toolchain's, the artifacts' target and shapes) must not appear in it."""
+    old = {
+        "format": 1,
+        "name": "tiny",
+        "model": {"id": "tiny", "revision": None, "files": []},
+        "recipe": {"name": "llama", "version": 1, "architecture": "LlamaForCausalLM"},
+        "options": {"ranks": 1, "payload_bytes": 268435456},
+        "ranks": 1,
+        "toolchain": {
+            "runtime_abi": 1,
+            "torch": None,
+            "cuda": None,
+            "gpu_archs": [],
+            "flashinfer": None,
+        },
+        "payloads": [],
+        "artifacts": [
+            {"kind": "config", "path": "config.json", "digest": "blake3:" + "a" * 64, "size": 2}
+        ],
+        "inputs": "blake3:" + "b" * 64,
+    }
+    data = encode_header([], {MANIFEST_KEY: canonical_json(old)})
+    assert encode_index(decode_index(data, "old index")) == data
