@@ -15,6 +15,7 @@ Both sides apply `settings()` first: Inductor keys its cache by its configuratio
 
 from __future__ import annotations
 
+import inspect
 import os
 import shlex
 from pathlib import Path
@@ -59,8 +60,10 @@ def settings() -> None:
 
     inductor.cpp.threads = 1
     inductor.cpp.vec_isa_ok = True
-    inductor.cpp.march = MARCH.get(torch.backends.cpu.get_cpu_capability())
-    inductor.cpp_cache_precompile_headers = False
+    if hasattr(inductor.cpp, "march"):  # not in torch 2.11: -march=native there, CPU only
+        inductor.cpp.march = MARCH.get(torch.backends.cpu.get_cpu_capability())
+    if hasattr(inductor, "cpp_cache_precompile_headers"):
+        inductor.cpp_cache_precompile_headers = False
     _hook_compiler()
     compilations.watch()
     _installed = True
@@ -99,7 +102,9 @@ class CompiledForward:
         settings()
         self.model = model
         self._operator = OperatorAttention()
-        self._compiled = torch.compile(self._step, fullgraph=True, isolate_recompiles=True)
+        isolate = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+        options = {"isolate_recompiles": True} if isolate else {}  # torch 2.13 and later
+        self._compiled = torch.compile(self._step, fullgraph=True, **options)
 
     def __call__(
         self,
