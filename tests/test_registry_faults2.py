@@ -29,7 +29,7 @@ from registry_helpers import (
 )
 from sqlalchemy import create_engine, text
 
-NOT_FOUND, CORRUPT, NO_SPACE = 3, 6, 8
+CORRUPT, NO_SPACE = 6, 8
 
 
 @pytest.fixture(scope="module")
