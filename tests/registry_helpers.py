@@ -43,6 +43,14 @@ def database(backend: str, folder: Path) -> Iterator[str]:
         if os.environ.get("CI"):
             pytest.fail("CI must start PostgreSQL and set FLARE_TEST_POSTGRES (.ci/run does)")
         pytest.skip("set FLARE_TEST_POSTGRES to a server URL to test the PostgreSQL backend")
+    with postgres_database(server) as url:
+        yield url
+
+
+@contextmanager
+def postgres_database(server: str) -> Iterator[str]:
+    """A fresh PostgreSQL database on the server, dropped afterwards (the test suite's and the
+    soak's: tests/faults/trials.py)."""
     name = f"flare_test_{secrets.token_hex(6)}"
     admin = create_engine(server, isolation_level="AUTOCOMMIT")
     with admin.connect() as connection:

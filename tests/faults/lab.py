@@ -332,20 +332,3 @@ def remount(path: Path, size: str) -> None:
 def can_mount() -> bool:
     """Whether this process may mount a tmpfs (root, with CAP_SYS_ADMIN)."""
     return os.geteuid() == 0 and shutil.which("mount") is not None
-
-
-@contextmanager
-def postgres_database(server: str) -> Iterator[str]:
-    """A fresh PostgreSQL database on the server for one trial, dropped afterwards."""
-    from sqlalchemy import create_engine, text
-
-    name = f"flare_soak_{secrets.token_hex(6)}"
-    admin = create_engine(server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(text(f"CREATE DATABASE {name}"))
-    try:
-        yield server.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        with admin.connect() as connection:
-            connection.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-        admin.dispose()

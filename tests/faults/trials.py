@@ -22,6 +22,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from registry_helpers import postgres_database
+
 from faults import checks
 from faults.lab import (
     BASE_PACKAGES,
@@ -32,7 +34,6 @@ from faults.lab import (
     Lab,
     Run,
     kill_group,
-    postgres_database,
     remount,
     tmpfs,
     write_filler,
