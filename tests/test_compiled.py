@@ -8,12 +8,14 @@ each; `--check` and `--compile-on-start` compile once more each, because that is
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +32,7 @@ from flare.serve.inductor_archive import pack, unpack
 from flare.serve.runtime import GenerateRuntime, SamplingParams, load_runtime
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
+from flare.store.errors import IntegrityError
 from flare.store.package import (
     MANIFEST_KEY,
     Manifest,
@@ -327,6 +330,28 @@ def test_the_archive_holds_kernels_and_entries_only_with_fixed_metadata(tmp_path
     assert unpack((tmp_path / "a.tar").read_bytes(), tmp_path / "out") is False
     assert (tmp_path / "out" / "ab" / "cabc.main.so").read_bytes() == b"\x7fELF kernel"
     assert unpack((tmp_path / "a.tar").read_bytes(), tmp_path / "out") is True
+
+
+@pytest.mark.parametrize("kind", ["symlink", "escape"])
+def test_an_archive_member_that_is_no_plain_file_inside_is_refused(
+    tmp_path: Path, kind: str
+) -> None:
+    """A signed package's archive is still input: a link or a path out of the folder is
+    refused (exit 6) and nothing is left behind."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        if kind == "symlink":
+            info = tarfile.TarInfo("ab/cabc.main.so")
+            info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+            tar.addfile(info)
+        else:
+            info = tarfile.TarInfo("../outside.so")
+            info.size = 4
+            tar.addfile(info, io.BytesIO(b"\x7fELF"))
+    with pytest.raises(IntegrityError, match="is not a plain file in the archive"):
+        unpack(buffer.getvalue(), tmp_path / "out" / "compiled")
+    assert not (tmp_path / "out" / "compiled").exists()
+    assert not (tmp_path / "out" / "outside.so").exists()
 
 
 def test_an_index_written_before_the_optional_fields_encodes_to_its_own_bytes() -> None:
