@@ -12,6 +12,7 @@ is ready and reports what happened since.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import threading
 from collections import Counter
@@ -71,7 +72,27 @@ def watch() -> None:
                 note("traced")
 
         callback_handler.register_start_callback(started)
+        _watch_triton()
         _watching = True
+
+
+def _watch_triton() -> None:
+    """Count each Triton kernel Triton compiles (not one it found in its cache), where Triton
+    is installed. Inductor loads a cached graph's kernels without Triton's compiler, so what
+    this counts is code made now."""
+    if importlib.util.find_spec("triton") is None:
+        return
+    from triton import knobs
+
+    before = knobs.compilation.listener
+
+    def compiled(*args: object, **kwargs: object) -> None:
+        if not kwargs.get("cache_hit", args[4] if len(args) > 4 else False):
+            note("kernels")
+        if before is not None:
+            before(*args, **kwargs)
+
+    knobs.compilation.listener = compiled
 
 
 def note(event: str) -> None:
@@ -92,7 +113,7 @@ def snapshot() -> Compilations:
     return Compilations(
         traced=events.get("traced", 0),
         compiled=inductor.get("fxgraph_cache_miss", 0) + inductor.get("fxgraph_cache_bypass", 0),
-        kernels=events.get("kernels", 0) + inductor.get("async_compile_cache_miss", 0),
+        kernels=events.get("kernels", 0),
         recorded=events.get("recorded", 0),
         loaded=inductor.get("fxgraph_cache_hit", 0),
     )

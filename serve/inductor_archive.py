@@ -13,13 +13,16 @@ stable from one compile to the next and are normalized when packed: the compile 
 (`runnable_graph_str`), and debug lines that print a function's memory address
 (`_fx_graph_cache_debug_lines`). None is read when a graph is loaded. Kernels are byte-stable
 once their source paths are relative (serve/compiled.py's compiler hook). Everything else in
-the folder (sources, locks, Python wrappers Inductor writes again on load) stays out.
+the folder (sources, locks, Python wrappers Inductor writes again on load) stays out, except
+Inductor's autotuning results (`.best_config`, which config of a Triton kernel its benchmark
+chose), without their timing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import pickle
 import shutil
@@ -32,6 +35,10 @@ from typing import Any
 from flare.store.errors import IntegrityError
 
 KERNEL_SUFFIXES = (".so",)
+AUTOTUNED = ".best_config"
+"""Inductor's autotuning result for one Triton kernel (the config its benchmark chose), kept
+beside the kernel's source: without it a loaded kernel with several configs is compiled and
+benchmarked again in every config at its first launch."""
 GRAPHS = "fxgraph"
 AUTOGRAD = "aotautograd"
 TRITON = "triton"
@@ -102,6 +109,15 @@ def _members(cache: Path) -> Iterator[tuple[str, bytes]]:
             yield _normalized(name, path.read_bytes(), _autograd_entry)
         elif top == TRITON or (name.endswith(KERNEL_SUFFIXES) and "/" in name):
             yield name, path.read_bytes()
+        elif name.endswith(AUTOTUNED):
+            yield name, _autotuned(path.read_bytes())
+
+
+def _autotuned(data: bytes) -> bytes:
+    """An autotuning result without the time its benchmark took (not read when loaded)."""
+    result = json.loads(data)
+    result["time_taken_ms"] = 0
+    return json.dumps(result, sort_keys=True).encode()
 
 
 def _normalized(name: str, data: bytes, clean: Callable[[Any], None]) -> tuple[str, bytes]:

@@ -51,12 +51,19 @@ class Rotary(nn.Module):
                 f"RoPE scaling {rope['rope_type']!r} is not supported", "supported: default, llama3"
             )
         self.inv_freq = inv_freq
-        """A plain attribute, not a buffer: models are built on the meta device, then
-        materialized empty, which would leave a buffer's values undefined."""
+        """A plain float32 attribute, not a buffer: models are built on the meta device, then
+        materialized empty, which would leave a buffer's values undefined, and `.to(dtype)`
+        would round a buffer to bfloat16."""
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Rotary:
+        """Follow the module's moves (`to_empty`, `.to(device)`), keeping the values and the
+        float32 dtype: the frequencies are on the step's device before anything is compiled,
+        as a compiled forward's guards expect."""
+        probe = torch.empty(0, device=self.inv_freq.device)
+        self.inv_freq = self.inv_freq.to(fn(probe).device)
+        return super()._apply(fn, recurse)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos(), angles.sin()

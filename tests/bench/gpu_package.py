@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+WIDTHS = (1, 2, 3, 4, 8, 13, 16, 32)
+"""Concurrent requests of the mixed load: every batch size up to the package's plan."""
 
 
 def make_checkpoint(folder: Path, hidden: int, layers: int) -> Path:
@@ -77,11 +79,13 @@ def flare(env: dict[str, str], *args: str) -> str:
     return done.stdout
 
 
-def start_server(env: dict[str, str], name: str) -> tuple[subprocess.Popen[str], str, str, float]:
+def start_server(
+    env: dict[str, str], name: str, *options: str
+) -> tuple[subprocess.Popen[str], str, str, float]:
     """`flare serve` until its ready line: the process, base URL, the line, seconds to it."""
     started = time.perf_counter()
     server = subprocess.Popen(
-        [sys.executable, "-m", "flare", "serve", name, "--port", "0", "--device", "cuda"],
+        [sys.executable, "-m", "flare", "serve", name, "--port", "0", "--device", "cuda", *options],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -121,14 +125,15 @@ def stream(client: Any, url: str, name: str, prompt: str, tokens: int, cancel_af
     return got, (time.perf_counter() - first) if first else 0.0
 
 
-def mixed_load(url: str, name: str) -> dict[str, Any]:
-    """Batches of 1..32 concurrent requests, prompt lengths 4..1500 words, some cancelled."""
+def mixed_load(url: str, name: str, widths: tuple[int, ...] = WIDTHS) -> dict[str, Any]:
+    """Batches of concurrent requests, prompt lengths 4..1500 words, some cancelled; then a
+    batch-1 decode; then the server's compilation counters."""
     import httpx
 
     rng = random.Random(0)
     out: dict[str, Any] = {}
     with httpx.Client() as client:
-        for width in (1, 2, 3, 4, 8, 13, 16, 32):
+        for width in widths:
             prompts = [" ".join(["word"] * rng.randint(4, 1500)) for _ in range(width)]
             results: list[tuple[int, float]] = [(0, 0.0)] * width
 
@@ -151,6 +156,18 @@ def mixed_load(url: str, name: str) -> dict[str, Any]:
     out["compilations_total_after_load"] = counted
     out["metrics_compile_lines"] = [m for m in metrics.splitlines() if "compil" in m][:20]
     return out
+
+
+def serve_and_load(env: dict[str, str], name: str, widths: tuple[int, ...], *options: str):
+    """Serve `name` until ready, put a load on it, stop it: the ready line and the figures."""
+    server, url, line, seconds = start_server(env, name, *options)
+    report: dict[str, Any] = {"ready_line": line, "serve_to_ready_s": round(seconds, 1)}
+    try:
+        report |= mixed_load(url, name, widths)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        report["serve_exit"] = server.wait(timeout=120)
+    return report
 
 
 def main() -> int:
@@ -176,13 +193,10 @@ def main() -> int:
     report["phases"] = {p["name"]: [p["status"], round(p["seconds"], 2)] for p in built["phases"]}
     manifest = json.loads(flare(env, "registry", "show", "l1b", "--json"))
     report["toolchain"] = manifest.get("toolchain") or manifest.get("manifest", {}).get("toolchain")
-    server, url, line, seconds = start_server(env, "l1b")
-    report["ready_line"], report["serve_to_ready_s"] = line, round(seconds, 1)
-    try:
-        report |= mixed_load(url, "l1b")
-    finally:
-        server.send_signal(signal.SIGTERM)
-        report["serve_exit"] = server.wait(timeout=120)
+    report["compiled"] = serve_and_load(env, "l1b", WIDTHS)
+    report["compile_on_start"] = serve_and_load(env, "l1b", (16,), "--compile-on-start")
+    flare(env, "build", str(source), "--name", "l1b-eager", "--target", "none", "--json")
+    report["eager"] = serve_and_load(env, "l1b-eager", (16,))
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
