@@ -356,7 +356,9 @@ def is_package_index(store: BlobStore, digest: Digest) -> bool:
 
 def resolve_package(store: BlobStore, text: str) -> tuple[str | None, Digest, str | None]:
     """The package a reference names in this store: its name (if given), its digest, and the
-    ref file that gave the digest (None for a bare digest)."""
+    ref file that gave the digest (None for a bare digest). NAME:TAG@DIGEST names it only
+    if the tag points at that digest: a reference whose parts disagree is refused, never
+    resolved by one part alone."""
     ref = parse_ref(text)
     if ref.digest is not None:
         prefix = parse_prefix(ref.digest)
@@ -364,13 +366,28 @@ def resolve_package(store: BlobStore, text: str) -> tuple[str | None, Digest, st
             return None, store.resolve(ref.digest), None
         candidates = packages_of(store, ref.name)
         digest = resolve_prefix(prefix, candidates, f"{ref.name} in {store.location}")
+        if ref.tag is not None:
+            _check_tag_agrees(store, ref.name, ref.tag, digest)
         return ref.name, digest, _package_key(ref.name, digest)
     assert ref.name is not None
     tag = ref.tag or DEFAULT_TAG
-    digest = read_tag(store, ref.name, tag)
+    return ref.name, _tagged(store, ref.name, tag), _tag_key(ref.name, tag)
+
+
+def _tagged(store: BlobStore, name: str, tag: str) -> Digest:
+    digest = read_tag(store, name, tag)
     if digest is None:
-        raise NotFoundError(f"no package {ref.name}:{tag} in {store.location}", "check the name")
-    return ref.name, digest, _tag_key(ref.name, tag)
+        raise NotFoundError(f"no package {name}:{tag} in {store.location}", "check the name")
+    return digest
+
+
+def _check_tag_agrees(store: BlobStore, name: str, tag: str, digest: Digest) -> None:
+    tagged = _tagged(store, name, tag)
+    if tagged != digest:
+        raise InvalidInputError(
+            f"{name}:{tag} points at {tagged.short()}, not at {digest.short()}",
+            f"give {name}@DIGEST for that package, or {name}:{tag} for the tagged one",
+        )
 
 
 def read_manifest(store: BlobStore, digest: Digest) -> Manifest:

@@ -14,7 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from flare.store.digest import Digest
 from flare.store.errors import InvalidInputError
@@ -24,9 +31,11 @@ from flare.store.safetensors import (
     MANIFEST_KEY,
     FormatError,
     Header,
+    StrictJsonError,
     encode_header,
     expected_nbytes,
     read_header,
+    strict_json,
 )
 
 FORMAT_VERSION = 1
@@ -48,17 +57,14 @@ def check_relative_path(path: str) -> str:
     return path
 
 
+_DIGEST_TEXT = re.compile(r"blake3:([0-9a-f]{64})")
+"""A digest as a manifest writes it: one spelling only, lowercase, nothing around it."""
+
+
 def _digest(value: str) -> str:
-    if not value.startswith("blake3:"):
-        return _bad_digest(value)
-    try:
-        return str(Digest.parse(value))
-    except InvalidInputError as exc:  # pydantic reports only ValueError as a field error
-        raise ValueError(exc.what) from exc
-
-
-def _bad_digest(value: str) -> str:
-    raise ValueError(f"not a digest: {value!r}")
+    if not _DIGEST_TEXT.fullmatch(value):
+        raise ValueError(f"not a digest (blake3:<64 lowercase hex>): {value!r}")
+    return value
 
 
 def _name(value: str) -> str:
@@ -128,6 +134,12 @@ class Split(Strict):
     dim: Count
     parts: Annotated[int, Field(ge=2)]
     index: Count
+
+    @model_validator(mode="after")
+    def _index_is_a_part(self) -> Split:
+        if self.index >= self.parts:
+            raise ValueError(f"index {self.index} is not one of the {self.parts} parts (< parts)")
+        return self
 
 
 class PayloadTensor(Strict):
@@ -225,7 +237,9 @@ def decode_index(data: bytes, where: str) -> Manifest:
         raise FormatError(f"{where} is not a flare package index", "check the digest")
     text = header.metadata[MANIFEST_KEY]
     try:
-        raw = json.loads(text)
+        raw = strict_json(text)
+    except StrictJsonError as exc:  # one signed index, one meaning: see strict_json
+        raise FormatError(f"{where}: the manifest is not strict JSON: {exc}") from exc
     except (ValueError, RecursionError) as exc:  # bad JSON, a huge number, deep nesting
         raise FormatError(f"{where}: the manifest is not JSON: {exc}") from exc
     _check_format(raw, where)
@@ -239,9 +253,6 @@ def decode_index(data: bytes, where: str) -> Manifest:
     return manifest
 
 
-_DIGEST_TEXT = re.compile(r"blake3:([0-9a-f]{64})")
-
-
 def referenced_blobs(data: bytes, where: str) -> set[str]:
     """The hex digest of every blob an index names, read without building the manifest model.
 
@@ -251,7 +262,7 @@ def referenced_blobs(data: bytes, where: str) -> set[str]:
     """
     header = read_header(io.BytesIO(data), len(data), where)
     try:
-        raw = json.loads(header.metadata[MANIFEST_KEY])
+        raw = strict_json(header.metadata[MANIFEST_KEY])
         if raw["format"] == FORMAT_VERSION:
             entries = raw["payloads"] + raw["artifacts"]
             return {_DIGEST_TEXT.fullmatch(entry["digest"])[1] for entry in entries}  # type: ignore[index]
@@ -277,6 +288,8 @@ def _check_payload_ranks(manifest: Manifest, where: str) -> None:
     for payload in manifest.payloads:
         if any(rank >= manifest.ranks for rank in payload.ranks):
             raise FormatError(f"{where}: payload {payload.digest} names a rank >= {manifest.ranks}")
+        if len(set(payload.ranks)) != len(payload.ranks):
+            raise FormatError(f"{where}: payload {payload.digest} names a rank twice")
 
 
 MALFORMED_HINT = "the package is malformed: ask its publisher to rebuild it"

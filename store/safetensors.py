@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from flare.store.errors import IntegrityError
 
@@ -83,10 +84,36 @@ def read_header(handle: BinaryIO, file_size: int, where: str) -> Header:
     if len(raw) < length:
         raise FormatError(f"{where} is truncated inside its header", "rebuild or re-fetch it")
     try:
-        parsed = json.loads(raw.decode("utf-8"))  # the format says UTF-8; json would guess
+        parsed = strict_json(raw.decode("utf-8"))  # the format says UTF-8; json would guess
+    except StrictJsonError as exc:
+        raise FormatError(f"{where} has a header that is not strict JSON: {exc}") from exc
     except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, a huge number, deep nesting
         raise FormatError(f"{where} has a header that is not JSON: {exc}") from exc
     return parse_header(parsed, 8 + length, file_size, where)
+
+
+class StrictJsonError(ValueError):
+    """JSON that Python reads but other readers may read differently, or refuse: a key twice
+    in one object (first or last value?), NaN or Infinity (not JSON numbers)."""
+
+
+def strict_json(text: str) -> Any:
+    """Parse JSON that has one meaning for every reader, so that a signed header or manifest
+    cannot say one thing to flare and another to a reader that keeps the first of two keys."""
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_not_a_number)
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        counts = Counter(key for key, _ in pairs)
+        twice = next(key for key, count in counts.items() if count > 1)
+        raise StrictJsonError(f"key {twice!r} appears twice")
+    return found
+
+
+def _not_a_number(constant: str) -> object:
+    raise StrictJsonError(f"{constant} is not a number")
 
 
 def parse_header(parsed: object, data_offset: int, file_size: int, where: str) -> Header:

@@ -555,6 +555,9 @@ BAD_DIGESTS = [
     pytest.param("sha256:" + "a" * 64, id="sha256"),
     pytest.param("a" * 64, id="no-prefix"),
     pytest.param("", id="empty"),
+    pytest.param("blake3:" + "A" * 64, id="upper-case"),
+    pytest.param("blake3:" + "a" * 64 + " ", id="trailing-space"),
+    pytest.param("blake3:" + "a" * 64 + "\n", id="trailing-newline"),
 ]
 
 
@@ -592,6 +595,63 @@ def test_check_relative_path_accepts_plain_relative_paths(path: str) -> None:
 def test_payload_naming_a_rank_beyond_the_package_is_refused(ranks: list[int]) -> None:
     data = index_of(changed(manifest_data(), ("payloads", 1, "ranks"), ranks))
     refused_index(data, f"payload {fake_digest('payload-shared')} names a rank >= 2")
+
+
+@pytest.mark.parametrize("ranks", [[0, 0], [1, 0, 1]])
+def test_payload_naming_a_rank_twice_is_refused(ranks: list[int]) -> None:
+    data = index_of(changed(manifest_data(), ("payloads", 1, "ranks"), ranks))
+    refused_index(data, f"payload {fake_digest('payload-shared')} names a rank twice")
+
+
+@pytest.mark.parametrize("index", [2, 3])
+def test_split_part_beyond_its_parts_is_refused(index: int) -> None:
+    path = ("payloads", 0, "tensors", 1, "split", "index")
+    data = index_of(changed(manifest_data(), path, index))
+    refused_index(data, f"manifest field payloads.0.tensors.1.split: .*index {index} is not one of")
+
+
+# -- one meaning for every reader: no repeated keys, no NaN --------------------------------------
+
+
+def repeated_key(text: str, key: str, value: str) -> str:
+    """JSON text whose top-level object holds `key` a second time, with `value` last."""
+    assert text.endswith("}")
+    return f"{text[:-1]},{json.dumps(key)}:{value}}}"
+
+
+def test_a_manifest_repeating_a_key_is_refused() -> None:
+    """A first-key and a last-key reader would load two different packages from one signed
+    index: the reader refuses it rather than pick one."""
+    text = repeated_key(json.dumps(manifest_data()), "name", '"other"')
+    refused_index(index_of(text), "the manifest is not strict JSON: key 'name' appears twice")
+
+
+def test_a_manifest_repeating_a_key_deep_inside_is_refused() -> None:
+    data = manifest_data()
+    tensor = json.dumps(data["payloads"][0]["tensors"][0])
+    text = json.dumps(data).replace(tensor, repeated_key(tensor, "dtype", '"F32"'), 1)
+    refused_index(index_of(text), "key 'dtype' appears twice")
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_in_a_manifest_are_refused(constant: str) -> None:
+    text = json.dumps(changed(manifest_data(), ("options", "x"), 0)).replace(
+        '"x": 0', f'"x": {constant}'
+    )
+    assert constant in text
+    refused_index(index_of(text), f"the manifest is not strict JSON: {constant} is not a number")
+
+
+def test_a_safetensors_header_repeating_a_key_is_refused() -> None:
+    """The index's own header: two `flare.manifest` values, one per kind of reader."""
+    manifest = json.dumps(manifest_data())
+    metadata = repeated_key(json.dumps({MANIFEST_KEY: manifest}), MANIFEST_KEY, '"{}"')
+    refused(raw_file(f'{{"__metadata__":{metadata}}}'.encode()), "flare.manifest' appears twice")
+
+
+def test_a_payload_header_repeating_a_tensor_is_refused() -> None:
+    header = repeated_key(json.dumps(one_tensor()), "t", json.dumps(one_tensor()["t"]))
+    refused(raw_file(header.encode(), b"\0" * 8), "key 't' appears twice")
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from flare.registry.leases import hold_lease
 from flare.registry.registry import PinnedError, Registry
 from flare.store import Digest
 from flare.store.blobs import blob_key
-from flare.store.errors import AmbiguousError, IntegrityError, NotFoundError
+from flare.store.errors import AmbiguousError, IntegrityError, InvalidInputError, NotFoundError
 from flare.store.hashing import hash_bytes
 
 
@@ -97,6 +97,21 @@ def test_ambiguous_prefix_lists_the_candidates(
     with pytest.raises(AmbiguousError) as info:
         registry.resolve(f"alpha@{made['a'].hex[:8]}")  # type: ignore[attr-defined]
     assert twin[:16] in str(info.value)
+
+
+def test_a_reference_with_tag_and_digest_needs_both_to_agree(
+    registry: Registry, sources: Path, tmp_path: Path
+) -> None:
+    """NAME:TAG@DIGEST names the package only when the tag points at that digest: a tag that
+    moved, or that does not exist, is refused rather than silently ignored."""
+    made = fill(registry, sources, tmp_path)
+    a, old = made["a"].hex, made["old"].hex  # type: ignore[attr-defined]
+    assert registry.resolve(f"alpha:v1@{a[:8]}") == ("alpha", made["a"])
+    assert registry.resolve(f"alpha:latest@blake3:{a}") == ("alpha", made["a"])
+    with pytest.raises(InvalidInputError, match=f"alpha:old points at {old[:12]}, not at {a[:12]}"):
+        registry.resolve(f"alpha:old@{a[:8]}")
+    with pytest.raises(NotFoundError, match="no package alpha:nosuch"):
+        registry.resolve(f"alpha:nosuch@{a[:8]}")
 
 
 def test_reindex_rebuilds_an_identical_index(
