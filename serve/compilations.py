@@ -18,7 +18,11 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, fields
 
+SHOWN = 3
+"""Kernel names a description lists before it says there were more."""
+
 _events: Counter[str] = Counter()
+_built: list[str] = []
 _lock = threading.Lock()
 _watching = False
 
@@ -37,6 +41,8 @@ class Compilations:
     """CUDA graphs recorded."""
     loaded: int = 0
     """Graphs Inductor loaded from its cache (not a compilation)."""
+    built: tuple[str, ...] = ()
+    """The kernels built, by name (a Triton kernel, a C++ source, a FlashInfer module)."""
 
     @property
     def total(self) -> int:
@@ -44,14 +50,19 @@ class Compilations:
         return self.traced + self.compiled + self.kernels + self.recorded
 
     def __sub__(self, other: Compilations) -> Compilations:
+        counts = {f.name for f in fields(self)} - {"built"}
         return Compilations(
-            **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
+            **{name: getattr(self, name) - getattr(other, name) for name in counts},
+            built=self.built[len(other.built) :],
         )
 
     def describe(self) -> str:
         """One phrase for the ready line: `2 traced, 0 compiled (1 loaded), 0 kernels built`."""
         text = f"{self.traced} traced, {self.compiled} compiled ({self.loaded} loaded)"
         text += f", {self.kernels} kernels built"
+        if self.built:
+            shown = ", ".join(self.built[:SHOWN])
+            text += f" ({shown}{', …' if len(self.built) > SHOWN else ''})"
         return text + (f", {self.recorded} CUDA graphs recorded" if self.recorded else "")
 
 
@@ -88,7 +99,8 @@ def _watch_triton() -> None:
 
     def compiled(*args: object, **kwargs: object) -> None:
         if not kwargs.get("cache_hit", args[4] if len(args) > 4 else False):
-            note("kernels")
+            source = kwargs.get("src", args[0] if args else None)
+            note_kernel(str(getattr(source, "name", "a Triton kernel")))
         if before is not None:
             before(*args, **kwargs)
 
@@ -96,9 +108,16 @@ def _watch_triton() -> None:
 
 
 def note(event: str) -> None:
-    """Count one event (`kernels` from flare's compile hook, the rest from `watch`)."""
+    """Count one event (`traced`, `recorded`: from `watch`)."""
     with _lock:
         _events[event] += 1
+
+
+def note_kernel(name: str) -> None:
+    """Count one kernel built, by name (from the compiler hooks)."""
+    with _lock:
+        _events["kernels"] += 1
+        _built.append(name)
 
 
 def snapshot() -> Compilations:
@@ -109,11 +128,12 @@ def snapshot() -> Compilations:
 
         inductor = dict(counters["inductor"])
     with _lock:
-        events = dict(_events)
+        events, built = dict(_events), tuple(_built)
     return Compilations(
         traced=events.get("traced", 0),
         compiled=inductor.get("fxgraph_cache_miss", 0) + inductor.get("fxgraph_cache_bypass", 0),
         kernels=events.get("kernels", 0),
         recorded=events.get("recorded", 0),
         loaded=inductor.get("fxgraph_cache_hit", 0),
+        built=built,
     )

@@ -83,7 +83,8 @@ def _hook_compiler() -> None:
     run = cpp_builder.run_compile_cmd
 
     def compile_relative(cmd_line: str, cwd: str) -> None:
-        compilations.note("kernels")
+        sources = [Path(part).name for part in shlex.split(cmd_line) if part.endswith(".cpp")]
+        compilations.note_kernel(sources[0] if sources else "a C++ kernel")
         maps = (f"{cache_dir()}/=",)
         run(cmd_line + "".join(f" {shlex.quote('-ffile-prefix-map=' + m)}" for m in maps), cwd)
 

@@ -56,7 +56,8 @@ def use_modules(folder: Path) -> None:
     run = core.run_ninja
 
     def counted(*args: object, **kwargs: object) -> None:
-        compilations.note("kernels")
+        ninja_file = kwargs.get("ninja_file", args[1] if len(args) > 1 else None)
+        compilations.note_kernel(f"FlashInfer {Path(str(ninja_file)).parent.name}")
         run(*args, **kwargs)
 
     if getattr(run, "__name__", "") != "counted":

@@ -28,6 +28,7 @@ from checkpoints import make_llama
 
 from flare.build.target import decode_batch_sizes
 from flare.registry.refs import read_manifest, tag_package
+from flare.serve.compilations import Compilations
 from flare.serve.inductor_archive import pack, unpack
 from flare.serve.runtime import GenerateRuntime, SamplingParams, load_runtime
 from flare.store.blobs import BlobStore
@@ -267,6 +268,7 @@ def test_artifacts_for_another_toolchain_are_refused_unless_compiled_on_start(
     try:
         compiled = r"forward compiled at start in [\d.]+ s: 1 traced, 1 compiled"
         assert re.search(compiled, server.ready)
+        assert re.search(r"[1-9]\d* kernels built \(\w+\.cpp", server.ready), server.ready
         reply = httpx.post(
             f"{server.url}/completions",
             json={"model": "llamaforcausallm", "prompt": [5, 6, 7], "max_tokens": 8},
@@ -379,3 +381,13 @@ def test_an_index_written_before_the_optional_fields_encodes_to_its_own_bytes() 
     }
     data = encode_header([], {MANIFEST_KEY: canonical_json(old)})
     assert encode_index(decode_index(data, "old index")) == data
+
+
+def test_a_description_names_the_kernels_built_between_two_snapshots() -> None:
+    """What a start built is named in its ready line, the first few of them."""
+    before = Compilations(traced=1, kernels=1, built=("old.cpp",))
+    after = Compilations(traced=2, kernels=5, built=("old.cpp", "a.cpp", "b", "FlashInfer c", "d"))
+    made = after - before
+    assert (made.traced, made.kernels, made.built) == (1, 4, ("a.cpp", "b", "FlashInfer c", "d"))
+    assert made.describe().endswith("4 kernels built (a.cpp, b, FlashInfer c, …)")
+    assert (after - after).describe() == "0 traced, 0 compiled (0 loaded), 0 kernels built"
