@@ -20,7 +20,7 @@ from flare.build.kernel_cache import KernelCache, cache_key
 from flare.build.target import Preparation
 
 COMPILED_PATH = "runtime/forward-{target}.tar"
-FORWARD_FORMAT = 1
+FORWARD_FORMAT = 2
 """Bumped when what compile produces changes meaning: older kernel-cache entries are not taken."""
 NOT_SHAPES = (
     "_name_or_path",

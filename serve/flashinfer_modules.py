@@ -36,7 +36,8 @@ def build_into(out: Path) -> None:
 
 def collect(out: Path, folder: Path) -> list[str]:
     """Copy the modules built under `out` into `folder`/flashinfer; return their names."""
-    built = sorted((out / WORKSPACE).glob(".cache/flashinfer/*/cached_ops/*/*.so"))
+    workspace = out / WORKSPACE  # .cache/flashinfer/<version>/<archs>/cached_ops/<module>/
+    built = sorted(p for p in workspace.rglob("*.so") if p.parent.parent.name == "cached_ops")
     for library in built:
         target = folder / FOLDER / library.parent.name / library.name
         target.parent.mkdir(parents=True, exist_ok=True)

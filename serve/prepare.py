@@ -68,8 +68,9 @@ def compile_forward(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     made = compilations.snapshot() - before
     if made.compiled != 1 or made.traced != 1:
         raise RuntimeError(f"the forward compiled into {made.describe()}, not one graph")
-    if spec["target"] == "cuda":
-        flashinfer_modules.collect(out, out / "inductor")
+    modules = flashinfer_modules.collect(out, out / "inductor") if spec["target"] == "cuda" else []
+    if decisions.backend == "flashinfer" and not modules:
+        raise RuntimeError("FlashInfer built no kernel module in the compile's workspace")
     members = pack(out / "inductor", out / ARCHIVE)
     shapes = {
         **spec["plan"],

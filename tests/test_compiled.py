@@ -29,6 +29,7 @@ from checkpoints import make_llama
 from flare.build.target import decode_batch_sizes
 from flare.registry.refs import read_manifest, tag_package
 from flare.serve.compilations import Compilations
+from flare.serve.flashinfer_modules import WORKSPACE, collect
 from flare.serve.inductor_archive import pack, unpack
 from flare.serve.runtime import GenerateRuntime, SamplingParams, load_runtime
 from flare.store.blobs import BlobStore
@@ -391,3 +392,27 @@ def test_a_description_names_the_kernels_built_between_two_snapshots() -> None:
     assert (made.traced, made.kernels, made.built) == (1, 4, ("a.cpp", "b", "FlashInfer c", "d"))
     assert made.describe().endswith("4 kernels built (a.cpp, b, FlashInfer c, …)")
     assert (after - after).describe() == "0 traced, 0 compiled (0 loaded), 0 kernels built"
+
+
+def test_flashinfer_modules_are_collected_from_the_workspace_layout_it_builds_in(
+    tmp_path: Path,
+) -> None:
+    """FlashInfer 0.6 builds a module at .cache/flashinfer/<version>/<archs>/cached_ops/<name>/
+    <name>.so under its workspace; each lands at flashinfer/<name>/<name>.so in the compiled
+    forward's folder, where it is loaded at start as a prebuilt module (a module left behind
+    was built again by every server: 95 s for a new head size)."""
+    ops = tmp_path / "out" / WORKSPACE / ".cache" / "flashinfer" / "0.6.1" / "90" / "cached_ops"
+    for name in ("batch_decode_bf16_64", "batch_prefill_bf16_64_sm90"):
+        (ops / name).mkdir(parents=True)
+        (ops / name / f"{name}.so").write_bytes(name.encode())
+        (ops / name / f"{name}.cuda.o").write_bytes(b"object")
+    folder = tmp_path / "inductor"
+    assert collect(tmp_path / "out", folder) == [
+        "batch_decode_bf16_64",
+        "batch_prefill_bf16_64_sm90",
+    ]
+    kept = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    assert kept == [
+        "flashinfer/batch_decode_bf16_64/batch_decode_bf16_64.so",
+        "flashinfer/batch_prefill_bf16_64_sm90/batch_prefill_bf16_64_sm90.so",
+    ]
