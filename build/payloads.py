@@ -29,6 +29,10 @@ from flare.store.splice import FileRuns, Piece, PiecesReader
 T = TypeVar("T")
 R = TypeVar("R")
 
+PAYLOAD_WORKERS = 4
+"""Payloads written at once by default: the kernel copies and the hashing of some overlap
+the writeback of others (4 beat 2 on a 2-core host: docs/performance.md)."""
+
 
 def planned_size(payload: PlannedPayload) -> int:
     """The payload's size in bytes, header included, without opening any file."""
@@ -109,13 +113,15 @@ class PayloadWriter:
         states: Mapping[str, FileState],
         progress: Progress,
         keep: Callable[[Digest], None],
-        workers: int,
+        workers: int | None = None,
         reuse: bool = True,
     ) -> None:
+        """`workers`: payloads written at once (None: PAYLOAD_WORKERS); `reuse`: take
+        recorded payloads (a --check rebuild takes none)."""
         self.store, self.journal = store, journal
         self.root, self.states = root, states
         self.progress, self.keep = progress, keep
-        self.workers, self.reuse = workers, reuse
+        self.workers, self.reuse = workers or PAYLOAD_WORKERS, reuse
 
     def write_all(
         self, plan: Sequence[PlannedPayload], sizes: Sequence[int]

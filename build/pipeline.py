@@ -60,10 +60,6 @@ from flare.store.package import (
     encode_index,
 )
 
-PAYLOAD_WORKERS = 4
-"""Payloads written at once by default: the kernel copies and the hashing of some overlap
-the writeback of others (4 beat 2 on a 2-core host: docs/performance.md)."""
-
 
 @dataclass(frozen=True)
 class BuildRequest:
@@ -144,6 +140,10 @@ class PhaseOutput:
     nbytes: int = 0
     blobs: list[str] = field(default_factory=list)
     status: str = "done"
+
+    def record(self) -> dict[str, Any]:
+        """What the journal keeps: all a rerun needs to reuse the phase (not its status)."""
+        return {"outputs": self.outputs, "bytes": self.nbytes, "blobs": self.blobs}
 
 
 Signer = Callable[[Registry, Digest, Manifest], None]
@@ -450,7 +450,7 @@ class Build:
             states,
             self.events.advance,
             self._keep,
-            self.request.workers or PAYLOAD_WORKERS,
+            self.request.workers,
             self.reuse,
         )
         if self.leader is not None:
@@ -554,9 +554,7 @@ class Build:
             self.phases.finish(name, started, record["bytes"], "reused")
             return record["outputs"]
         made = action()
-        self.journal.put(
-            name, key, {"outputs": made.outputs, "bytes": made.nbytes, "blobs": made.blobs}
-        )
+        self.journal.put(name, key, made.record())
         self.phases.finish(name, started, made.nbytes, made.status)
         return made.outputs
 
