@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flare.build.journal import Journal
-from flare.build.pipeline import Build, BuildRequest, Events
+from flare.build.phases import Events
+from flare.build.pipeline import Build, BuildRequest
 from flare.build.target import MAX_CONCURRENCY, PREFILL_CHUNK
 from flare.registry.registry import Registry
 from flare.store.digest import Digest

@@ -21,7 +21,7 @@ from typing import Any
 
 from flare.build.journal import Journal
 from flare.build.payloads import payload_key, payload_stream, store_payload
-from flare.build.pipeline import PhaseReport
+from flare.build.phases import Events, PhaseLog, PhaseReport
 from flare.build.plan import PlannedPayload
 from flare.build.ranks import TAG_DOWN, TAG_UP, TOKEN_DIR
 from flare.build.rendezvous import Rendezvous
@@ -72,10 +72,10 @@ class JoinResult:
 class Join:
     """One peer rank's part of a multi-process build."""
 
-    def __init__(self, request: JoinRequest, events: Any) -> None:
+    def __init__(self, request: JoinRequest, events: Events) -> None:
         self.request = request
         self.events = events
-        self.phases: list[PhaseReport] = []
+        self.phases = PhaseLog(events)
         self.rendezvous: Rendezvous | None = None
         self.source: Source | None = None
         self.states: dict[str, FileState] = {}
@@ -91,7 +91,7 @@ class Join:
         started = time.perf_counter()
         self.events.phase_started("rendezvous", 0)
         self.rendezvous = Rendezvous.join(request.address, request.rank, request.timeout)
-        self._finish("rendezvous", started, 0)
+        self.phases.finish("rendezvous", started, 0)
         try:
             with self._failing_aloud():
                 return self._take_part(self.rendezvous)
@@ -135,7 +135,7 @@ class Join:
             "shared store" if self.store else "rank 0",
             self.counts["written"],
             self.counts["reused"],
-            self.phases,
+            self.phases.reports,
         )
 
     # -- the checkpoint and the store ------------------------------------------------------
@@ -167,7 +167,7 @@ class Join:
         )
         found = {n: str(d) for n, (d, _) in zip(present, digests, strict=True)}
         differ = [n for n in wanted if found.get(n) != wanted[n]["digest"]]
-        self._finish("resolve", started, total)
+        self.phases.finish("resolve", started, total)
         if differ:
             what = f"rank {self.request.rank}'s checkpoint {source.root} differs from rank 0's"
             detail = f"{what} in {differ[0]}" + (
@@ -209,7 +209,7 @@ class Join:
         status = "reused" if not self.counts["written"] else "done"
         if self.counts["written"] and self.counts["reused"]:
             status = "resumed"
-        self._finish("assemble", started, total, status)
+        self.phases.finish("assemble", started, total, status)
 
     def _payload(self, index: int, payload: PlannedPayload, size: int) -> None:
         assert self.rendezvous is not None
@@ -264,11 +264,6 @@ class Join:
         if self.lease is not None:
             add_to_lease(self.store, self.lease, result.digest)
         return {"digest": str(result.digest), "size": result.size}
-
-    def _finish(self, name: str, started: float, nbytes: int, status: str = "done") -> None:
-        report = PhaseReport(name, status, time.perf_counter() - started, nbytes)
-        self.phases.append(report)
-        self.events.phase_finished(report)
 
 
 _HINT = (

@@ -44,9 +44,7 @@ class Journal:
         """The record for these inputs, or None (absent or unreadable: redo the phase)."""
         try:
             return json.loads(self._path(phase, key).read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # absent (FileNotFoundError), unreadable or not JSON
             return None
 
     def put(self, phase: str, key: Digest, record: dict[str, Any]) -> None:

@@ -3,24 +3,35 @@
 The header is computed from the plan; each tensor's bytes are runs of the source file (one
 run for a whole tensor or a dim-0 slice, one per row for a later dim). The store copies those
 runs file to file in the kernel (store/splice.py); peers and remote stores read them as one
-stream instead.
+stream instead. `PayloadWriter` is rank zero's side of it for one build: each payload taken
+from the journal, written here, or journaled once another rank stored it.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
-from flare.build.journal import inputs_digest
+from flare.build.journal import Journal, inputs_digest
 from flare.build.plan import PlannedPayload
+from flare.faults import crash_point
 from flare.store.blobs import BlobStore, PutResult
 from flare.store.digest import Digest
 from flare.store.errors import from_os_error
-from flare.store.hashing import FileState, Progress, check_unchanged
+from flare.store.hashing import FileState, Progress, check_unchanged, parallel_map
 from flare.store.safetensors import encode_header
 from flare.store.splice import FileRuns, Piece, PiecesReader
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+PAYLOAD_WORKERS = 4
+"""Payloads written at once by default: the kernel copies and the hashing of some overlap
+the writeback of others (4 beat 2 on a 2-core host: docs/performance.md)."""
 
 
 def planned_size(payload: PlannedPayload) -> int:
@@ -75,6 +86,84 @@ def store_payload(
     """Write the payload into the store as one blob (file to file where the store allows)."""
     with payload_pieces(payload, root, states) as pieces:
         return store.put_pieces(pieces, progress)
+
+
+@dataclass(frozen=True)
+class WrittenPayload:
+    """A payload's manifest entry, and whether an earlier run had stored it already."""
+
+    entry: dict[str, Any]
+    reused: bool
+
+
+class PayloadWriter:
+    """Rank zero's payloads of one build, each journaled as it lands.
+
+    A payload the journal records, whose blob is still stored, is taken as it is; any other
+    is copied from the checkpoint under `root` (each file still the one resolve hashed:
+    `states`), or, with peers, journaled once the rank owning it stored it. Every blob is
+    named to `keep` (the build's lease) before it is relied on, so a concurrent gc keeps it.
+    """
+
+    def __init__(
+        self,
+        store: BlobStore,
+        journal: Journal,
+        root: Path,
+        states: Mapping[str, FileState],
+        progress: Progress,
+        keep: Callable[[Digest], None],
+        workers: int | None = None,
+        reuse: bool = True,
+    ) -> None:
+        """`workers`: payloads written at once (None: PAYLOAD_WORKERS); `reuse`: take
+        recorded payloads (a --check rebuild takes none)."""
+        self.store, self.journal = store, journal
+        self.root, self.states = root, states
+        self.progress, self.keep = progress, keep
+        self.workers, self.reuse = workers or PAYLOAD_WORKERS, reuse
+
+    def write_all(
+        self, plan: Sequence[PlannedPayload], sizes: Sequence[int]
+    ) -> list[WrittenPayload]:
+        """Every payload, recorded or written here, on the build's payload workers."""
+
+        def one(item: tuple[PlannedPayload, int]) -> WrittenPayload:
+            entry = self.recorded(*item)
+            return WrittenPayload(entry or self.write(*item), entry is not None)
+
+        return self.map(one, list(zip(plan, sizes, strict=True)))
+
+    def map(self, action: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """`action` on each item, on the build's payload workers; the results in order."""
+        return parallel_map(action, items, self.workers)
+
+    def recorded(self, payload: PlannedPayload, size: int) -> dict[str, Any] | None:
+        """The payload's entry from its journal record, if its blob is still stored."""
+        record = self.journal.get("payload", payload_key(payload)) if self.reuse else None
+        if record is None:
+            return None
+        self.keep(Digest.parse(record["digest"]))
+        if not self.store.has(Digest.parse(record["digest"])):
+            return None
+        self.progress(size)
+        return payload.manifest_entry(record["digest"], record["size"])
+
+    def write(self, payload: PlannedPayload, size: int) -> dict[str, Any]:
+        """One payload blob copied from the checkpoint into the store, then recorded."""
+        result = store_payload(self.store, payload, self.root, self.states, self.progress)
+        return self.record(payload, str(result.digest), result.size)
+
+    def record(self, payload: PlannedPayload, digest: str, size: int) -> dict[str, Any]:
+        """Journal a stored payload (it is kept from gc) and return its manifest entry."""
+        self.keep(Digest.parse(digest))
+        self.journal.put("payload", payload_key(payload), {"digest": digest, "size": size})
+        crash_point("assemble:payload")
+        return payload.manifest_entry(digest, size)
+
+    def stream(self, payload: PlannedPayload) -> AbstractContextManager[PiecesReader]:
+        """The payload's bytes from the checkpoint, for a peer that has no copy of it."""
+        return payload_stream(payload, self.root, self.states)
 
 
 def _check_unchanged(paths: Mapping[str, Path], states: Mapping[str, FileState]) -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from flare.build.checkpoint import (
     SourceTensor,
@@ -26,7 +26,8 @@ from flare.build.checkpoint import (
 from flare.build.compile import COMPILED_PATH, compile_inputs, compiled_forward
 from flare.build.journal import Journal, inputs_digest
 from flare.build.kernel_cache import KernelCache
-from flare.build.payloads import payload_key, planned_size, store_payload
+from flare.build.payloads import PayloadWriter, WrittenPayload, planned_size
+from flare.build.phases import Events, PhaseLog, PhaseReport
 from flare.build.plan import PAYLOAD_BYTES, PlannedPayload, plan_payloads
 from flare.build.ranks import Leader
 from flare.build.recipes import recipe_for
@@ -49,7 +50,7 @@ from flare.registry.registry import Registry
 from flare.store import trash
 from flare.store.digest import Digest
 from flare.store.errors import IntegrityError, InvalidInputError
-from flare.store.hashing import FileState, check_unchanged, hash_bytes, parallel_map
+from flare.store.hashing import FileState, check_unchanged, hash_bytes
 from flare.store.package import (
     FORMAT_VERSION,
     RUNTIME_ABI,
@@ -58,10 +59,6 @@ from flare.store.package import (
     check_name,
     encode_index,
 )
-
-PAYLOAD_WORKERS = 4
-"""Payloads written at once by default: the kernel copies and the hashing of some overlap
-the writeback of others (4 beat 2 on a 2-core host: docs/performance.md)."""
 
 
 @dataclass(frozen=True)
@@ -125,16 +122,6 @@ class BuildRequest:
 
 
 @dataclass
-class PhaseReport:
-    """How one phase went: done, reused (all outputs from the journal) or resumed (some)."""
-
-    name: str
-    status: str
-    seconds: float
-    bytes: int
-
-
-@dataclass
 class BuildResult:
     name: str
     tag: str
@@ -143,20 +130,30 @@ class BuildResult:
     phases: list[PhaseReport] = field(default_factory=list)
 
 
-class Events(Protocol):
-    """What a build tells whoever shows its progress."""
+@dataclass(frozen=True)
+class PhaseOutput:
+    """What a phase's action made: its outputs (journaled), the bytes it wrote, the blobs the
+    outputs need stored, and its status: done, or reused/resumed when it took all or some of
+    its work from a cache or an earlier run."""
 
-    def phase_started(self, name: str, total: int) -> None: ...
-    def advance(self, nbytes: int) -> None: ...
-    def phase_finished(self, report: PhaseReport) -> None: ...
-    def note(self, message: str) -> None: ...
+    outputs: dict[str, Any]
+    nbytes: int = 0
+    blobs: list[str] = field(default_factory=list)
+    status: str = "done"
+
+    def record(self) -> dict[str, Any]:
+        """What the journal keeps: all a rerun needs to reuse the phase (not its status)."""
+        return {"outputs": self.outputs, "bytes": self.nbytes, "blobs": self.blobs}
 
 
 Signer = Callable[[Registry, Digest, Manifest], None]
 
 
 class Build:
-    """One run of the pipeline for one request, writing into one store."""
+    """One run of the pipeline for one request, writing into one store.
+
+    The source is resolved as the build is made (a missing checkpoint is refused before
+    anything else), so every phase has it."""
 
     def __init__(
         self,
@@ -180,9 +177,10 @@ class Build:
         self.reuse = reuse
         self.sign = sign
         self.journal = Journal(request.staging)
-        self.reports: list[PhaseReport] = []
-        self.source: Source | None = None
-        self.states: dict[str, FileState] = {}
+        self.phases = PhaseLog(events)
+        self.source: Source = resolve_source(
+            request.source, request.hub_cache, request.allow_outside_links
+        )
         self.lease: Lease | None = None
         self.leader: Leader | None = None
 
@@ -190,7 +188,6 @@ class Build:
         """Check the request, then every phase under a lease that keeps gc off its blobs."""
         started = time.perf_counter()
         request = self.request
-        self.source = resolve_source(request.source, request.hub_cache, request.allow_outside_links)
         config = read_config(self.source)
         recipe, _architecture = recipe_for(config)
         _check_config(self.source, config, recipe)  # refused before any work is done
@@ -217,7 +214,7 @@ class Build:
         rendezvous = Rendezvous.host(
             self.request.rendezvous, self.request.ranks, self.request.timeout
         )
-        self._finish("rendezvous", "done", started, 0)
+        self.phases.finish("rendezvous", started, 0)
         self.leader = Leader(rendezvous, self.store)
         try:
             yield
@@ -241,9 +238,8 @@ class Build:
 
     def _run(self, started: float, recipe: Recipe, config: dict[str, Any]) -> BuildResult:
         """Every phase in order, under a lock on the build's inputs."""
-        assert self.source is not None
         source = self.source
-        files = self._resolve(started)
+        files, states = self._resolve(started)
         build_key = self._inputs_digest(files, recipe)
         record = {"source": str(source.root), "request": self.request.recorded()}
         self.journal.put("builds", build_key, record)
@@ -253,11 +249,13 @@ class Build:
             tensors = self._load(files, recipe, config)
             plan = self._shard(tensors, recipe, config, files)
             if self.leader is not None:
-                self.leader.share(self, plan, files)
+                self.leader.share(
+                    self.request.source, self.request.allow_outside_links, plan, files
+                )
             prepared = self._preparation(recipe)
             tuning = self._tune(recipe, config, prepared)
             compiled = self._compile(recipe, config, prepared, tuning["records"])
-            assembled = self._assemble(plan, files, recipe, compiled)
+            assembled = self._assemble(plan, files, states, recipe, compiled)
             assembled["artifacts"] = [
                 *assembled["artifacts"],
                 *tuning["artifacts"],
@@ -265,7 +263,9 @@ class Build:
             ]
             manifest = self._manifest(source, files, recipe, config, assembled, build_key, prepared)
             digest = self._publish(manifest)
-        return BuildResult(self.request.name, self.request.tag, digest, manifest, self.reports)
+        return BuildResult(
+            self.request.name, self.request.tag, digest, manifest, self.phases.reports
+        )
 
     def _preparation(self, recipe: Recipe) -> Preparation:
         """What tune and compile prepare, with the toolchain the build host has for it."""
@@ -286,9 +286,9 @@ class Build:
 
     # -- phases ----------------------------------------------------------------------------
 
-    def _resolve(self, started: float) -> dict[str, dict[str, Any]]:
-        """Digest every source file (from stat records where they are still true)."""
-        assert self.source is not None
+    def _resolve(self, started: float) -> tuple[dict[str, dict[str, Any]], dict[str, FileState]]:
+        """Digest every source file (from stat records where they are still true): each
+        file's digest and size, and the state it was hashed in (later reads check it)."""
         request, source = self.request, self.source
         paths = [source.root / f for f in source.files]
         total = sum(p.stat().st_size for p in paths)
@@ -299,12 +299,11 @@ class Build:
             name: {"digest": str(d), "size": state.size}
             for name, (d, state) in zip(source.files, digests, strict=True)
         }
-        self.states = {name: state for name, (_, state) in zip(source.files, digests, strict=True)}
-        self._finish("resolve", "done" if cache.hashed else "reused", started, total)
-        return files
+        states = {name: state for name, (_, state) in zip(source.files, digests, strict=True)}
+        self.phases.finish("resolve", started, total, "done" if cache.hashed else "reused")
+        return files, states
 
     def _load(self, files: dict, recipe: Recipe, config: dict) -> dict[str, SourceTensor]:
-        assert self.source is not None
         source = self.source
         weights = {n: files[n]["digest"] for n in weight_files(source)}
         inputs = {
@@ -314,10 +313,10 @@ class Build:
             "ranks": self.request.ranks,
         }
 
-        def load() -> tuple[dict, int, list]:
+        def load() -> PhaseOutput:
             tensors = read_tensors(source)
             check_tensors(recipe, recipe.expected(config, self.request.ranks), tensors)
-            return {"tensors": [asdict(t) for t in tensors.values()]}, 0, []
+            return PhaseOutput({"tensors": [asdict(t) for t in tensors.values()]})
 
         outputs = self._phase("load", inputs, 0, load)
         return {
@@ -335,13 +334,13 @@ class Build:
             "options": request.layout_options(),
         }
 
-        def shard() -> tuple[dict, int, list]:
+        def shard() -> PhaseOutput:
             expected = recipe.expected(config, request.ranks)
             file_digests = {n: f["digest"] for n, f in files.items()}
             plan = plan_payloads(
                 expected, tensors, file_digests, request.ranks, request.payload_bytes
             )
-            return {"payloads": [p.describe() for p in plan]}, 0, []
+            return PhaseOutput({"payloads": [p.describe() for p in plan]})
 
         outputs = self._phase("shard", inputs, 0, shard)
         return [PlannedPayload.from_description(p) for p in outputs["payloads"]]
@@ -352,27 +351,24 @@ class Build:
         request = self.request
         shapes = attention_shapes(recipe.name, config) if prepared.prepares else {}
         inputs = {**tuning_inputs(prepared, shapes), "given": request.records}
-        reused: list[bool] = []
 
-        def tune() -> tuple[dict, int, list]:
+        def tune() -> PhaseOutput:
             if not prepared.prepares:
-                return {"records": [], "artifacts": []}, 0, []
+                return PhaseOutput({"records": [], "artifacts": []})
             if request.records is not None:
                 records, from_cache = list(request.records), True
             else:
                 scratch = request.staging / "prepare"
                 cache = KernelCache(request.kernel_cache)
                 records, from_cache = tuning_records(inputs, cache, scratch, request.retune)
-            reused.append(from_cache)
             entry = self._prepared_blob(
                 "tuning", TUNING_PATH, canonical_json(records).encode(), prepared, shapes
             )
-            return {"records": records, "artifacts": [entry]}, entry["size"], [entry["digest"]]
+            outputs = {"records": records, "artifacts": [entry]}
+            status = "reused" if from_cache else "done"
+            return PhaseOutput(outputs, entry["size"], [entry["digest"]], status)
 
-        outputs = self._phase("tune", inputs, 0, tune, reuse=not request.retune)
-        if reused and reused[0]:
-            self.reports[-1].status = "reused"
-        return outputs
+        return self._phase("tune", inputs, 0, tune, reuse=not request.retune)
 
     def _compile(
         self, recipe: Recipe, config: dict, prepared: Preparation, records: list[dict]
@@ -382,27 +378,23 @@ class Build:
         request = self.request
         recipe_id = _recipe_id(recipe)
         inputs = compile_inputs(recipe_id, config, prepared, records) if prepared.prepares else {}
-        reused: list[bool] = []
 
-        def compile_() -> tuple[dict, int, list]:
+        def compile_() -> PhaseOutput:
             if not prepared.prepares:
-                return {"artifacts": []}, 0, []
+                return PhaseOutput({"artifacts": []})
             scratch = request.staging / "prepare"
             try:
                 archive, made, from_cache = compiled_forward(
                     inputs, KernelCache(request.kernel_cache), scratch
                 )
-                reused.append(from_cache)
                 path = COMPILED_PATH.format(target=prepared.target)
                 entry = self._prepared_file("compiled", path, archive, prepared, made["shapes"])
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-            return {"artifacts": [entry]}, entry["size"], [entry["digest"]]
+            status = "reused" if from_cache else "done"
+            return PhaseOutput({"artifacts": [entry]}, entry["size"], [entry["digest"]], status)
 
-        outputs = self._phase("compile", inputs, 0, compile_)
-        if reused and reused[0]:
-            self.reports[-1].status = "reused"
-        return outputs
+        return self._phase("compile", inputs, 0, compile_)
 
     def _prepared_blob(
         self, kind: str, path: str, data: bytes, prepared: Preparation, shapes: dict
@@ -419,10 +411,14 @@ class Build:
         return _prepared_entry(kind, path, str(result.digest), result.size, prepared, shapes)
 
     def _assemble(
-        self, plan: list[PlannedPayload], files: dict, recipe: Recipe, compiled: dict
+        self,
+        plan: list[PlannedPayload],
+        files: dict,
+        states: dict[str, FileState],
+        recipe: Recipe,
+        compiled: dict,
     ) -> dict[str, Any]:
         """Write every payload (reusing recorded ones) and store the runtime's other files."""
-        assert self.source is not None
         artifacts = {n: f for n, f in files.items() if recipe.artifact_kind(n)}
         inputs = {
             "plan": _digest_of([p.describe() for p in plan]),
@@ -430,77 +426,49 @@ class Build:
             "compiled": compiled,
         }
         sizes = [planned_size(p) for p in plan]
-        reused: list[bool] = []
 
-        def assemble() -> tuple[dict, int, list]:
-            entries = self._write_payloads(plan, sizes, reused)
-            stored = [self._artifact(n, f, recipe) for n, f in sorted(artifacts.items())]
+        def assemble() -> PhaseOutput:
+            written = self._write_payloads(plan, sizes, states)
+            entries = [w.entry for w in written]
+            stored = [self._artifact(n, f, states, recipe) for n, f in sorted(artifacts.items())]
             blobs = [e["digest"] for e in entries] + [a["digest"] for a in stored]
-            return {"payloads": entries, "artifacts": stored}, sum(sizes), blobs
+            reused = sum(w.reused for w in written)
+            status = "resumed" if 0 < reused < len(written) else "done"
+            outputs = {"payloads": entries, "artifacts": stored}
+            return PhaseOutput(outputs, sum(sizes), blobs, status)
 
-        outputs = self._phase("assemble", inputs, sum(sizes), assemble)
-        if any(reused) and not all(reused):
-            self.reports[-1].status = "resumed"
-        return outputs
+        return self._phase("assemble", inputs, sum(sizes), assemble)
 
     def _write_payloads(
-        self, plan: list[PlannedPayload], sizes: list[int], reused: list[bool]
-    ) -> list[dict[str, Any]]:
-        """Every payload's manifest entry, built here or, with peers, by the rank owning it."""
-        if self.leader is not None:
-            return self.leader.write_payloads(self, plan, sizes, reused)
-
-        def one(item: tuple[PlannedPayload, int]) -> dict[str, Any]:
-            entry = self.recorded_entry(*item)
-            reused.append(entry is not None)
-            return entry or self.fresh_entry(*item)
-
-        return parallel_map(one, list(zip(plan, sizes, strict=True)), self.payload_workers())
-
-    def payload_workers(self) -> int:
-        return self.request.workers or PAYLOAD_WORKERS
-
-    def map_payloads(self, action: Callable[[int], None], indices: Sequence[int]) -> None:
-        """Run `action` on payload indices with the build's payload workers."""
-        parallel_map(action, indices, self.payload_workers())
-
-    def recorded_entry(self, payload: PlannedPayload, size: int) -> dict[str, Any] | None:
-        """The payload's entry from its journal record, if its blob is still stored."""
-        record = self.journal.get("payload", payload_key(payload)) if self.reuse else None
-        if record is None:
-            return None
-        self._keep(Digest.parse(record["digest"]))
-        if not self.store.has(Digest.parse(record["digest"])):
-            return None
-        self.events.advance(size)
-        return payload.manifest_entry(record["digest"], record["size"])
-
-    def fresh_entry(self, payload: PlannedPayload, size: int) -> dict[str, Any]:
-        """One payload blob copied from the source into the store, then recorded."""
-        assert self.source is not None
-        result = store_payload(
-            self.store, payload, self.source.root, self.states, self.events.advance
+        self, plan: list[PlannedPayload], sizes: list[int], states: dict[str, FileState]
+    ) -> list[WrittenPayload]:
+        """Every payload, built here or, with peers, by the rank owning it."""
+        writer = PayloadWriter(
+            self.store,
+            self.journal,
+            self.source.root,
+            states,
+            self.events.advance,
+            self._keep,
+            self.request.workers,
+            self.reuse,
         )
-        return self.record_entry(payload, str(result.digest), result.size)
-
-    def record_entry(self, payload: PlannedPayload, digest: str, size: int) -> dict[str, Any]:
-        """Journal a stored payload (it is kept from gc) and return its manifest entry."""
-        self._keep(Digest.parse(digest))
-        self.journal.put("payload", payload_key(payload), {"digest": digest, "size": size})
-        crash_point("assemble:payload")
-        return payload.manifest_entry(digest, size)
+        if self.leader is not None:
+            return self.leader.write_payloads(writer, plan, sizes)
+        return writer.write_all(plan, sizes)
 
     def _keep(self, digest: Digest) -> None:
         """Name a blob this build uses in its lease, so a concurrent gc keeps it."""
         if self.lease is not None:
             add_to_lease(self.store, self.lease, digest)
 
-    def _artifact(self, name: str, recorded: dict, recipe: Recipe) -> dict[str, Any]:
+    def _artifact(
+        self, name: str, recorded: dict, states: dict[str, FileState], recipe: Recipe
+    ) -> dict[str, Any]:
         """Copy (never link: the source stays the user's) a runtime file; check its digest.
         It must still be the file resolve hashed (a link retargeted since is not stored)."""
-        assert self.source is not None
         path = self.source.root / name
-        check_unchanged(path, self.states[name], FileState.of(path.stat()))
+        check_unchanged(path, states[name], FileState.of(path.stat()))
         result = self.store.put_file(path, link=False)
         self._keep(result.digest)
         if str(result.digest) != recorded["digest"]:
@@ -560,7 +528,7 @@ class Build:
         if self.sign is not None:
             self.sign(self.registry, result.digest, manifest)
         status = "reused" if result.method == "existing" else "done"
-        self._finish("publish", status, started, len(index))
+        self.phases.finish("publish", started, len(index), status)
         return result.digest
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -570,7 +538,7 @@ class Build:
         name: str,
         inputs: Any,
         total: int,
-        action: Callable[[], tuple[dict, int, list]],
+        action: Callable[[], PhaseOutput],
         reuse: bool = True,
     ) -> dict[str, Any]:
         """Run a phase, or take its outputs from the journal when its inputs are recorded
@@ -583,17 +551,12 @@ class Build:
             self._keep(Digest.parse(blob))
         if record is not None and all(self.store.has(Digest.parse(d)) for d in record["blobs"]):
             self.events.advance(total)
-            self._finish(name, "reused", started, record["bytes"])
+            self.phases.finish(name, started, record["bytes"], "reused")
             return record["outputs"]
-        outputs, nbytes, blobs = action()
-        self.journal.put(name, key, {"outputs": outputs, "bytes": nbytes, "blobs": blobs})
-        self._finish(name, "done", started, nbytes)
-        return outputs
-
-    def _finish(self, name: str, status: str, started: float, nbytes: int) -> None:
-        report = PhaseReport(name, status, time.perf_counter() - started, nbytes)
-        self.reports.append(report)
-        self.events.phase_finished(report)
+        made = action()
+        self.journal.put(name, key, made.record())
+        self.phases.finish(name, started, made.nbytes, made.status)
+        return made.outputs
 
     def _build_inputs(self, files: dict, recipe: Recipe) -> dict[str, Any]:
         return {

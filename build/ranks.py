@@ -17,19 +17,16 @@ from __future__ import annotations
 import queue
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from flare.build.payloads import payload_stream, planned_size
+from flare.build.payloads import PayloadWriter, WrittenPayload, planned_size
 from flare.build.plan import PlannedPayload
 from flare.build.rendezvous import Rendezvous
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
 from flare.store.errors import IntegrityError
-
-if TYPE_CHECKING:
-    from flare.build.pipeline import Build
 
 TAG_DOWN = 1
 """Message tag of payload bytes rank zero sends a peer."""
@@ -87,15 +84,21 @@ class Leader:
         self.token: Path | None = None
         self._work_posted = False
 
-    def share(self, build: Build, plan: Sequence[PlannedPayload], files: dict) -> None:
-        """Post what every peer needs to take part: the plan, the files, the store's token."""
-        assert build.source is not None
+    def share(
+        self,
+        source: str,
+        allow_outside_links: bool,
+        plan: Sequence[PlannedPayload],
+        files: dict[str, dict[str, Any]],
+    ) -> None:
+        """Post what every peer needs to take part: the SOURCE rank zero was given (a peer
+        resolves its own copy from it), the files' digests, the plan, the store's token."""
         self.token = self._leave_token()
         self.rendezvous.post(
             "setup",
             {
-                "source": build.request.source,
-                "allow_outside_links": build.request.allow_outside_links,
+                "source": source,
+                "allow_outside_links": allow_outside_links,
                 "files": files,
                 "plan": [p.describe() for p in plan],
                 "sizes": [planned_size(p) for p in plan],
@@ -117,57 +120,57 @@ class Leader:
         return path
 
     def write_payloads(
-        self, build: Build, plan: Sequence[PlannedPayload], sizes: Sequence[int], reused: list
-    ) -> list[dict[str, Any]]:
-        """Every payload's manifest entry: recorded, built here, or built by its owner."""
-        entries = [build.recorded_entry(p, s) for p, s in zip(plan, sizes, strict=True)]
-        reused.extend(True for e in entries if e is not None)
+        self, writer: PayloadWriter, plan: Sequence[PlannedPayload], sizes: Sequence[int]
+    ) -> list[WrittenPayload]:
+        """Every payload, in plan order: recorded, built here, or built by its owner."""
+        written: list[WrittenPayload | None] = [
+            _reused(writer.recorded(p, s)) for p, s in zip(plan, sizes, strict=True)
+        ]
         caps = {
             r: self.rendezvous.wait_for(f"caps/{r}", r, "while it checked its checkpoint")
             for r in self.peers
         }
         for rank in self.peers:
-            self._take_finished(build, plan, rank, caps[rank].get("finished", {}), entries, reused)
-        owners = assign_owners(plan, [e is not None for e in entries], caps)
+            for i, entry in self._finished(writer, plan, written, caps[rank].get("finished", {})):
+                written[i] = WrittenPayload(entry, reused=True)
+        owners = assign_owners(plan, [w is not None for w in written], caps)
         self._post_work(owners)
-        mine = [i for i, o in enumerate(owners) if o == 0]
 
         def build_mine() -> None:
             def one(i: int) -> None:
-                entries[i] = build.fresh_entry(plan[i], sizes[i])
-                reused.append(False)
+                written[i] = WrittenPayload(writer.write(plan[i], sizes[i]), reused=False)
 
-            build.map_payloads(one, mine)
+            writer.map(one, [i for i, o in enumerate(owners) if o == 0])
+
+        def gather(rank: int, indices: list[int]) -> None:
+            for i, entry in self._gather(writer, plan, sizes, rank, indices, caps[rank]["shared"]):
+                written[i] = WrittenPayload(entry, reused=False)
 
         tasks: list[Callable[[], None]] = [build_mine]
         for rank in self.peers:
             theirs = [i for i, o in enumerate(owners) if o == rank]
             if theirs and not caps[rank]["local"]:
-                tasks.append(lambda r=rank, t=theirs: self._send(build, plan, sizes, r, t))
+                tasks.append(lambda r=rank, t=theirs: self._send(writer, plan, sizes, r, t))
             if theirs:
-                tasks.append(
-                    lambda r=rank, t=theirs: self._gather(
-                        build, plan, sizes, r, t, caps[r]["shared"], entries, reused
-                    )
-                )
+                tasks.append(lambda r=rank, t=theirs: gather(r, t))
         run_all(tasks)
-        return [e for e in entries if e is not None]
+        return [w for w in written if w is not None]
 
-    def _take_finished(
+    def _finished(
         self,
-        build: Build,
+        writer: PayloadWriter,
         plan: Sequence[PlannedPayload],
-        rank: int,
+        written: Sequence[WrittenPayload | None],
         finished: dict[str, dict[str, Any]],
-        entries: list,
-        reused: list,
-    ) -> None:
-        """Payloads a peer stored on an earlier run but never reported: recorded here now."""
+    ) -> list[tuple[int, dict[str, Any]]]:
+        """Payloads a peer stored on an earlier run but never reported, journaled here now:
+        (plan index, manifest entry) of each."""
+        taken = []
         for index, record in finished.items():
             i = int(index)
-            if entries[i] is None and self.store.has(Digest.parse(record["digest"])):
-                entries[i] = build.record_entry(plan[i], record["digest"], record["size"])
-                reused.append(True)
+            if written[i] is None and self.store.has(Digest.parse(record["digest"])):
+                taken.append((i, writer.record(plan[i], record["digest"], record["size"])))
+        return taken
 
     def _post_work(self, owners: list[int | None]) -> None:
         self.rendezvous.post("work", {"owners": owners})
@@ -175,35 +178,33 @@ class Leader:
 
     def _send(
         self,
-        build: Build,
+        writer: PayloadWriter,
         plan: Sequence[PlannedPayload],
         sizes: Sequence[int],
         rank: int,
         indices: list[int],
     ) -> None:
         """Stream a peer without a checkpoint the bytes of each payload it owns, in order."""
-        assert build.source is not None
         for i in indices:
-            with payload_stream(plan[i], build.source.root, build.states) as reader:
+            with writer.stream(plan[i]) as reader:
                 self.rendezvous.send_stream(reader, sizes[i], rank, TAG_DOWN, lambda _n: None)
 
     def _gather(
         self,
-        build: Build,
+        writer: PayloadWriter,
         plan: Sequence[PlannedPayload],
         sizes: Sequence[int],
         rank: int,
         indices: list[int],
         shared: bool,
-        entries: list,
-        reused: list,
-    ) -> None:
-        """Take each payload a peer owns: found in the shared store, or received and stored."""
+    ) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Take each payload a peer owns: found in the shared store, or received and stored;
+        (plan index, manifest entry) of each as it is journaled."""
         for i in indices:
             stored = None
             if not shared:
                 stream = self.rendezvous.receive_stream(rank, sizes[i], TAG_UP)
-                stored = self.store.put_stream(stream, sizes[i], progress=build.events.advance)
+                stored = self.store.put_stream(stream, sizes[i], progress=writer.progress)
             report = self.rendezvous.wait_for(f"payload/{i}", rank, "while it built payloads")
             if stored is not None and str(stored.digest) != report["digest"]:
                 raise IntegrityError(
@@ -212,9 +213,8 @@ class Leader:
                     "the bytes were damaged on the way; rerun every rank",
                 )
             if shared:
-                build.events.advance(sizes[i])
-            entries[i] = build.record_entry(plan[i], report["digest"], report["size"])
-            reused.append(False)
+                writer.progress(sizes[i])
+            yield i, writer.record(plan[i], report["digest"], report["size"])
 
     def finish(self, digest: str) -> None:
         """Tell the peers the package digest, and wait until each has heard it."""
@@ -234,3 +234,8 @@ class Leader:
     def _remove_token(self) -> None:
         if self.token is not None:
             self.token.unlink(missing_ok=True)
+
+
+def _reused(entry: dict[str, Any] | None) -> WrittenPayload | None:
+    """A payload recorded by an earlier run, as written; None when it is not."""
+    return None if entry is None else WrittenPayload(entry, reused=True)

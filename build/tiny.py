@@ -1,4 +1,4 @@
-"""A tiny seeded Llama checkpoint in the Hugging Face layout, for the demo and benchmarks.
+"""A tiny seeded Llama checkpoint in the Hugging Face layout, for the demo, tests and benchmarks.
 
 Weights are drawn from a seeded normal distribution (bf16), the tokenizer is a byte-level BPE
 trained on a few KB of text, and a chat template ships with it, so the folder is a complete
@@ -8,7 +8,7 @@ checkpoint that transformers can load too. Nothing is downloaded.
 from __future__ import annotations
 
 import json
-import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -109,7 +109,8 @@ def _bf16(values: np.ndarray) -> bytes:
     return (rounded >> 16).astype(np.uint16).tobytes()
 
 
-def _write(folder: Path, config: dict, tensor_bytes) -> Path:  # type: ignore[no-untyped-def]
+def write_llama(folder: Path, config: dict, tensor_bytes: Callable[[TensorSpec], bytes]) -> Path:
+    """config.json and one model.safetensors whose tensors' bytes `tensor_bytes` makes."""
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     specs = llama_specs(config)
     with open(folder / "model.safetensors", "wb") as handle:
@@ -130,17 +131,4 @@ def make_tiny_llama(folder: Path, seed: int = 0, hidden: int = 64, layers: int =
             return _bf16(np.ones(spec.shape))
         return _bf16(rng.normal(0.0, 0.02, spec.shape))
 
-    return _write(folder, llama_config(vocab, hidden, layers, 8, 4), weights)
-
-
-def make_synthetic_llama(folder: Path, target_bytes: int, layers: int = 4, seed: int = 0) -> Path:
-    """A Llama-shaped checkpoint of about `target_bytes` of random bytes, for benchmarks.
-
-    bf16 bytes = 2 * (2 * vocab * h + 12 * layers * h^2), with kv = h/2 and intermediate = 3h.
-    """
-    vocab = write_tokenizer(folder)
-    vocab += -vocab % 8
-    a, b = 24 * layers, 4 * vocab
-    hidden = max(64, int((-b + math.sqrt(b * b + 4 * a * target_bytes)) / (2 * a)) // 64 * 64)
-    rng = np.random.default_rng(seed)
-    return _write(folder, llama_config(vocab, hidden, layers, 8, 4), lambda s: rng.bytes(s.nbytes))
+    return write_llama(folder, llama_config(vocab, hidden, layers, 8, 4), weights)

@@ -27,7 +27,7 @@ import torch
 
 from flare.serve import compilations, flashinfer_modules
 from flare.serve.compiled import CompiledForward, use_cache_folder, warm_up
-from flare.serve.engine.attention import make_attention
+from flare.serve.engine.attention_choice import make_attention
 from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.runner import ModelRunner
 from flare.serve.inductor_archive import pack

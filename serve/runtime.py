@@ -27,7 +27,8 @@ from flare.serve import compilations, flashinfer_modules
 from flare.serve.artifacts import RuntimeArtifacts, StartReport, runtime_artifacts
 from flare.serve.compilations import Compilations
 from flare.serve.compiled import CompiledForward, use_cache_folder, warm_up
-from flare.serve.engine.attention import AttentionBackend, make_attention
+from flare.serve.engine.attention import AttentionBackend
+from flare.serve.engine.attention_choice import make_attention
 from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.engine import Engine, EngineStopping
 from flare.serve.engine.output import Delta, RequestFailed, RequestHandle
@@ -83,7 +84,7 @@ def load_runtime(
     file, each checked against the manifest as it is read (a corrupt one goes to
     `quarantine`: see PackageFiles). A GPU's KV cache takes a share of the memory left after
     the weights and `memory_reserve`; `attention` picks the backend
-    (serve/engine/attention.py, `make_attention`; auto: the package's tuned one). A
+    (serve/engine/attention_choice.py, `make_attention`; auto: the package's tuned one). A
     generating model's forward is the package's compiled one, compiled at start, or eager, as
     `compile_mode` says (serve/artifacts.py; `compile_root` holds compiled forwards); it is
     warmed up before this returns, so nothing compiles after."""

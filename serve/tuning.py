@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
-from flare.serve.engine.attention import AttentionSpec, flashinfer_unfit
+from flare.serve.engine.attention import AttentionMetadata, AttentionSpec
+from flare.serve.engine.attention_choice import flashinfer_unfit
+from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention
 from flare.store.safetensors import FormatError
 
 PAGE_SIZE = 16
@@ -106,9 +108,6 @@ def _time_decode(
     spec: AttentionSpec, dtype: torch.dtype, device: torch.device, batch: int, tensor_cores: bool
 ) -> float:
     """Seconds per decode attention call of one layer, FlashInfer's kernel built and warm."""
-    from flare.serve.engine.attention import AttentionMetadata
-    from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention
-
     pages = -(-TIMED_CONTEXT // PAGE_SIZE)
     backend = FlashInferPagedAttention(
         spec, batch * pages * PAGE_SIZE, PAGE_SIZE, dtype, device, tensor_cores

@@ -123,10 +123,3 @@ def parallel_map(
         return [action(item) for item in listed]
     with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
         return list(pool.map(action, listed))
-
-
-def hash_files(
-    paths: Iterable[Path], workers: int | None = None, progress: Progress | None = None
-) -> list[tuple[Digest, int]]:
-    """Hash many files at once; each file is also hashed on several threads."""
-    return parallel_map(lambda path: hash_file(path, progress=progress), paths, workers)

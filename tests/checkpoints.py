@@ -1,11 +1,15 @@
 """Tiny real checkpoints for tests: seeded random weights in the Hugging Face layout, saved by
-transformers itself, with the BPE tokenizer flare's tiny model trains on a few KB of text."""
+transformers itself, with the BPE tokenizer flare's tiny model trains on a few KB of text; and
+large synthetic ones (random bytes, Llama-shaped) for the multi-rank tests and the benchmarks."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from flare.build.tiny import write_tokenizer
+import numpy as np
+
+from flare.build.tiny import llama_config, write_llama, write_tokenizer
 
 
 def make_llama(
@@ -48,3 +52,18 @@ def make_llama(
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(folder, safe_serialization=True, **kwargs)
     return folder
+
+
+def make_synthetic_llama(folder: Path, target_bytes: int, layers: int = 4, seed: int = 0) -> Path:
+    """A Llama-shaped checkpoint of about `target_bytes` of random bytes: the build's work
+    without a model's (nothing here needs the weights to compute).
+
+    bf16 bytes = 2 * (2 * vocab * h + 12 * layers * h^2), with kv = h/2 and intermediate = 3h.
+    """
+    vocab = write_tokenizer(folder)
+    vocab += -vocab % 8
+    a, b = 24 * layers, 4 * vocab
+    hidden = max(64, int((-b + math.sqrt(b * b + 4 * a * target_bytes)) / (2 * a)) // 64 * 64)
+    rng = np.random.default_rng(seed)
+    config = llama_config(vocab, hidden, layers, 8, 4)
+    return write_llama(folder, config, lambda spec: rng.bytes(spec.nbytes))

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 from blake3 import blake3
-from helpers import write_random
+from helpers import hash_files, write_random
 
 from flare.store.errors import IntegrityError
-from flare.store.hashing import MMAP_SLICE, hash_file, hash_files
+from flare.store.hashing import MMAP_SLICE, hash_file
 
 
 @pytest.fixture

@@ -18,8 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from flare.build.tiny import make_synthetic_llama
+from checkpoints import make_synthetic_llama
 
 PAYLOAD = "1M"
 TIMEOUT = "5"

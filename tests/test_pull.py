@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from checkpoints import make_synthetic_llama
 from conftest import mount_tmpfs
 
-from flare.build.tiny import make_synthetic_llama, make_tiny_llama
+from flare.build.tiny import make_tiny_llama
 from flare.store.package import MANIFEST_KEY, canonical_json
 from flare.store.safetensors import encode_header
 

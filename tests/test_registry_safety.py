@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from checkpoints import make_synthetic_llama
 from registry_helpers import BACKENDS, age, flare, lab_env, start, stopped_at, tiny_sources
 
-from flare.build.tiny import make_synthetic_llama
 from flare.registry.registry import Registry
 
 INDEX_UNUSABLE = 10

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from checkpoints import make_synthetic_llama
 from conftest import mount_tmpfs
 
-from flare.build.tiny import make_synthetic_llama
 from flare.store import BlobStore
 
 PAYLOAD = "1M"

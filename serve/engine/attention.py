@@ -5,23 +5,16 @@ FlashAttention's varlen kernels take it: queries of all sequences concatenated, 
 sequence's KV found through its block table. A backend is planned once per step and then
 called once per layer; the torch reference here gathers each sequence's keys and values from
 the cache and runs `scaled_dot_product_attention` on them. On CUDA, FlashInfer's kernels
-(flashinfer_attention.py) do the same in one call per layer; `make_attention` chooses.
+(flashinfer_attention.py) do the same in one call per layer; attention_choice.py chooses.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-
-from flare.store.errors import InvalidInputError
-
-ATTENTION_KINDS = ("auto", "torch", "flashinfer")
-FLASHINFER_HEAD_DIMS = (64, 128, 256)
-"""Head sizes FlashInfer's prebuilt and JIT kernels take."""
 
 
 @dataclass(frozen=True)
@@ -149,47 +142,3 @@ def _causal_mask(q_len: int, ctx: int, device: torch.device) -> torch.Tensor:
     """Query j sits at position ctx - q_len + j and sees keys up to and including it."""
     rows = torch.arange(q_len, device=device)[:, None] + (ctx - q_len)
     return torch.arange(ctx, device=device)[None, :] <= rows
-
-
-def make_attention(
-    kind: str,
-    spec: AttentionSpec,
-    num_slots: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    variant: str | None = None,
-) -> tuple[str, AttentionBackend]:
-    """The backend `kind` names, with its name. "auto": FlashInfer where it can run (CUDA,
-    the package installed, a 16-bit dtype, a head size its kernels take), else the torch
-    reference; "flashinfer" where it cannot is refused with the reason. `variant` is the
-    tuned FlashInfer decode kernel (serve/tuning.py), if any."""
-    if kind not in ATTENTION_KINDS:
-        raise InvalidInputError(
-            f"unknown attention backend {kind!r}", f"use one of {', '.join(ATTENTION_KINDS)}"
-        )
-    unfit = flashinfer_unfit(spec, dtype, device)
-    if kind == "flashinfer" and unfit:
-        raise InvalidInputError(
-            f"FlashInfer attention cannot run here: {unfit}", "use --attention torch or auto"
-        )
-    if kind == "torch" or unfit:
-        return "torch", TorchPagedAttention(spec, num_slots, dtype, device)
-    from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention
-
-    tensor_cores = {"tensor-cores": True, "cuda-cores": False}.get(variant or "")
-    backend = FlashInferPagedAttention(spec, num_slots, block_size, dtype, device, tensor_cores)
-    return "flashinfer", backend
-
-
-def flashinfer_unfit(spec: AttentionSpec, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why FlashInfer's kernels cannot serve this model here, or None if they can."""
-    if device.type != "cuda":
-        return f"the device is {device.type}, not cuda"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"the model runs in {dtype}, not float16 or bfloat16"
-    if spec.head_dim not in FLASHINFER_HEAD_DIMS:
-        return f"head size {spec.head_dim} is not one of {FLASHINFER_HEAD_DIMS}"
-    if importlib.util.find_spec("flashinfer") is None:
-        return "the flashinfer-python package is not installed"
-    return None

@@ -42,9 +42,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tests' helpers
+
+from checkpoints import make_synthetic_llama
 from common import flare_command, flare_env, log, remove, run, scratch, sync, timed
 
-from flare.build.tiny import make_synthetic_llama
 from flare.registry.refs import read_manifest, resolve_package
 from flare.store.blobs import BlobStore
 

@@ -41,9 +41,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from common import log, scratch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tests' helpers
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
+from common import log, scratch
 
 TARGET = 0.10
 """The check may add at most this fraction to the load time."""
@@ -84,10 +84,10 @@ def _overhead(checked: list[float], unchecked: list[float]) -> float:
 
 def build(workdir: Path, size: int) -> tuple[object, dict[str, Path]]:
     """Build the synthetic package into a registry folder; its manifest and blob files."""
+    from checkpoints import make_synthetic_llama
     from registry_helpers import Quiet
 
     from flare.build.pipeline import Build, BuildRequest
-    from flare.build.tiny import make_synthetic_llama
     from flare.registry.registry import Registry
     from flare.serve.cache import HostCache
 

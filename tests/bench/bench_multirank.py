@@ -28,9 +28,11 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tests' helpers
+
+from checkpoints import make_synthetic_llama
 from common import log, remove, scratch, sync
 
-from flare.build.tiny import make_synthetic_llama
 from flare.store import BlobStore
 
 PHASES = ("rendezvous", "resolve", "load", "shard", "assemble", "publish")

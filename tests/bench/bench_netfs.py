@@ -40,10 +40,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from checkpoints import make_synthetic_llama
 from common import flare_command, log, remove, scratch
 from netfs import missing_tools, network_share
 
-from flare.build.tiny import make_synthetic_llama
 from flare.registry.registry import default_database
 from flare.store.backends.filesystems import cache_window_s, filesystem_type
 

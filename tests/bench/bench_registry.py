@@ -62,10 +62,12 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tests' helpers
+
 from blake3 import blake3
+from checkpoints import make_synthetic_llama
 from common import flare_command, flare_env, scratch, timed
 
-from flare.build.tiny import make_synthetic_llama
 from flare.registry import gc, refs
 from flare.registry.marks import Marked
 from flare.registry.registry import Registry, default_database

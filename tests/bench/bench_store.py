@@ -27,11 +27,14 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tests' helpers
+
 import blake3
 from common import log, remove, run, scratch, sync, timed
+from helpers import hash_files
 
 from flare.store.blobs import BlobStore, PutResult
-from flare.store.hashing import hash_file, hash_files
+from flare.store.hashing import hash_file
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -24,7 +24,7 @@ import time
 import torch
 
 from flare.build.tiny import llama_config
-from flare.serve.engine.attention import make_attention
+from flare.serve.engine.attention_choice import make_attention
 from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.runner import ModelRunner
 from flare.serve.engine.sequence import SamplingParams, Sequence
