@@ -40,6 +40,7 @@ from flare.config import (
     parse_timeout,
     record_signing_key,
 )
+from flare.extras import install_hint
 from flare.registry.database import UnusableIndexError
 from flare.registry.refs import BadRef, BadRefError
 from flare.registry.registry import Registry, default_database
@@ -834,7 +835,7 @@ def _require_serve_extra() -> None:
     if missing:
         raise FlareError(
             f"flare pull and serve need {', '.join(missing)}, which are not installed",
-            "pip install 'flare[serve]'",
+            install_hint("serve"),
         )
 
 

@@ -14,6 +14,7 @@ from typing import Any, BinaryIO
 
 import fsspec
 
+from flare.extras import install_hint
 from flare.store.backends.base import TMP_DIR, StoredFile, TempFile
 from flare.store.backends.local import temp_name
 from flare.store.errors import FlareError, InvalidInputError, from_os_error
@@ -33,7 +34,7 @@ class FsspecBackend:
         except (ImportError, ValueError) as exc:
             raise InvalidInputError(
                 f"cannot open store {url}: {exc}",
-                "install the filesystem's package (s3:// needs `pip install flare[s3]`)",
+                f"install the filesystem's package (s3:// needs `{install_hint('s3')}`)",
             ) from exc
         self.root = root.rstrip("/")
         self.location = url
