@@ -43,7 +43,7 @@ from flare.config import (
 from flare.extras import install_hint
 from flare.registry.database import UnusableIndexError
 from flare.registry.refs import BadRef, BadRefError
-from flare.registry.registry import Registry, default_database
+from flare.registry.registry import Registry, index_database
 from flare.sign import policy as trust
 from flare.sign.errors import UntrustedError
 from flare.store import BlobStore, Digest, VerifyReport
@@ -167,8 +167,7 @@ def open_registry(
     """
     config = load_config()
     where = location or config.registry
-    configured = config.database and where == config.registry
-    database = config.database if configured else default_database(where, config.home)
+    database = index_database(where, config.registry, config.database, config.home)
     options = (config.store_encoding, config.zstd_level)
     try:
         opened = Registry(where, database, *options, create, config.cache_window)

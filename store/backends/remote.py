@@ -46,9 +46,10 @@ class FsspecBackend:
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
 
-    def ensure(self) -> None:
+    def ensure(self, *folders: str) -> None:
         try:
-            self.fs.makedirs(self._path(TMP_DIR), exist_ok=True)
+            for folder in (TMP_DIR, *folders):
+                self.fs.makedirs(self._path(folder), exist_ok=True)
         except OSError as exc:
             raise from_os_error(exc, "create the store at", self.location) from exc
 
