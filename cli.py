@@ -56,6 +56,7 @@ from flare.store.errors import (
     from_os_error,
 )
 from flare.store.hashing import Progress as Advance
+from flare.store.package import version_line
 
 if TYPE_CHECKING:  # imported where used: a listing command should not load what builds need
     from flare.build.check import CheckResult
@@ -115,9 +116,18 @@ RestoreOption = Annotated[
 ]
 
 
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        out.print(version_line())
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+    _version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help=version_line())
+    ] = False,
 ) -> None:
     """Options for every command."""
     _state["debug"] = _state["debug"] or debug

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from conftest import RunFlare
 
+from flare import __version__
 from flare.extras import DISTRIBUTION, install_hint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,3 +66,9 @@ def test_the_s3_hint_of_a_missing_filesystem_installs_flare(run_flare: RunFlare)
     done = run_flare("store", "ls", "--store", "s3://bucket/flare")
     assert done.returncode == 4, done.stderr
     assert f"pip install '{DISTRIBUTION}[s3]'" in done.stderr
+
+
+def test_flare_version_says_the_package_format_and_runtime_abi(run_flare: RunFlare) -> None:
+    done = run_flare("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"flare {__version__} (package format 1, runtime ABI 1)\n"
