@@ -41,6 +41,7 @@ from flare.config import (
     record_signing_key,
 )
 from flare.extras import install_hint
+from flare.progress import PlainProgress
 from flare.registry.database import UnusableIndexError
 from flare.registry.refs import BadRef, BadRefError
 from flare.registry.registry import Registry, index_database
@@ -156,6 +157,9 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
 @contextmanager
 def progress_bar(description: str, total: int) -> Iterator[Advance]:
     """A bytes progress bar on stderr (rate, time left); yields the advance callback."""
+    if not err.is_terminal:  # a log or a pipe: a plain line every few seconds instead
+        yield PlainProgress(description, total, _note).advance
+        return
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -163,9 +167,13 @@ def progress_bar(description: str, total: int) -> Iterator[Advance]:
         TransferSpeedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+    with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+def _note(line: str) -> None:
+    err.print(line, markup=False)
 
 
 def open_registry(
@@ -229,6 +237,7 @@ class BuildProgress:
         )
         self.bar = Progress(*columns, console=err, disable=not err.is_terminal)
         self.task: Any = None
+        self.plain: PlainProgress | None = None
 
     def phase_started(self, name: str, total: int) -> None:
         if self.task is not None:
@@ -236,9 +245,12 @@ class BuildProgress:
         self.task = self.bar.add_task(name, total=total or None)
         if not err.is_terminal:
             err.print(f"phase {name}", markup=False)
+            self.plain = PlainProgress(name, total, _note)
 
     def advance(self, nbytes: int) -> None:
         self.bar.advance(self.task, nbytes)
+        if self.plain is not None:
+            self.plain.advance(nbytes)
 
     def phase_finished(self, report: PhaseReport) -> None:
         self.bar.update(self.task, completed=self.bar.tasks[-1].total or 0, visible=False)
