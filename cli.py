@@ -40,9 +40,11 @@ from flare.config import (
     parse_timeout,
     record_signing_key,
 )
+from flare.extras import install_hint
+from flare.progress import PlainProgress
 from flare.registry.database import UnusableIndexError
 from flare.registry.refs import BadRef, BadRefError
-from flare.registry.registry import Registry, default_database
+from flare.registry.registry import Registry, index_database
 from flare.sign import policy as trust
 from flare.sign.errors import UntrustedError
 from flare.store import BlobStore, Digest, VerifyReport
@@ -55,6 +57,7 @@ from flare.store.errors import (
     from_os_error,
 )
 from flare.store.hashing import Progress as Advance
+from flare.store.package import version_line
 
 if TYPE_CHECKING:  # imported where used: a listing command should not load what builds need
     from flare.build.check import CheckResult
@@ -114,9 +117,18 @@ RestoreOption = Annotated[
 ]
 
 
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        out.print(version_line())
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+    _version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help=version_line())
+    ] = False,
 ) -> None:
     """Options for every command."""
     _state["debug"] = _state["debug"] or debug
@@ -145,6 +157,9 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
 @contextmanager
 def progress_bar(description: str, total: int) -> Iterator[Advance]:
     """A bytes progress bar on stderr (rate, time left); yields the advance callback."""
+    if not err.is_terminal:  # a log or a pipe: a plain line every few seconds instead
+        yield PlainProgress(description, total, _note).advance
+        return
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -152,9 +167,13 @@ def progress_bar(description: str, total: int) -> Iterator[Advance]:
         TransferSpeedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+    with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+def _note(line: str) -> None:
+    err.print(line, markup=False)
 
 
 def open_registry(
@@ -166,8 +185,7 @@ def open_registry(
     """
     config = load_config()
     where = location or config.registry
-    configured = config.database and where == config.registry
-    database = config.database if configured else default_database(where, config.home)
+    database = index_database(where, config.registry, config.database, config.home)
     options = (config.store_encoding, config.zstd_level)
     try:
         opened = Registry(where, database, *options, create, config.cache_window)
@@ -219,6 +237,7 @@ class BuildProgress:
         )
         self.bar = Progress(*columns, console=err, disable=not err.is_terminal)
         self.task: Any = None
+        self.plain: PlainProgress | None = None
 
     def phase_started(self, name: str, total: int) -> None:
         if self.task is not None:
@@ -226,9 +245,12 @@ class BuildProgress:
         self.task = self.bar.add_task(name, total=total or None)
         if not err.is_terminal:
             err.print(f"phase {name}", markup=False)
+            self.plain = PlainProgress(name, total, _note)
 
     def advance(self, nbytes: int) -> None:
         self.bar.advance(self.task, nbytes)
+        if self.plain is not None:
+            self.plain.advance(nbytes)
 
     def phase_finished(self, report: PhaseReport) -> None:
         self.bar.update(self.task, completed=self.bar.tasks[-1].total or 0, visible=False)
@@ -834,7 +856,7 @@ def _require_serve_extra() -> None:
     if missing:
         raise FlareError(
             f"flare pull and serve need {', '.join(missing)}, which are not installed",
-            "pip install 'flare[serve]'",
+            install_hint("serve"),
         )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flare.store.backends import normalize_location
 from flare.store.backends.local import write_file_atomic
 from flare.store.encoding import Encoding, check_zstd_level
 from flare.store.errors import FlareError, InvalidInputError, NotFoundError
@@ -43,12 +44,6 @@ def parse_duration(text: str) -> float:
     if not match:
         raise InvalidInputError(f"not a duration: {text!r}", "use e.g. 30s, 15m, 1h or 2d")
     return float(match[1]) * _SECONDS[match[2]]
-
-
-def _location(text: str | Path) -> str:
-    """A path (made absolute) or a URL (kept as written)."""
-    text = str(text)
-    return text if "://" in text else str(Path(text).expanduser().absolute())
 
 
 def _path(text: str | Path) -> Path:
@@ -151,7 +146,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "paths.registry",
         "FLARE_REGISTRY",
-        _location,
+        normalize_location,
         lambda h, _e: h / "registry",
         "the registry: a folder, a NAS mount or an fsspec URL",
     ),
@@ -327,7 +322,7 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
             values[setting.key] = _parse(setting, env[setting.env], f"env {setting.env}")
         elif setting.key in from_file:
             raw = from_file[setting.key]
-            relative = setting.parse in (_path, _location, _optional_path) and str(raw)
+            relative = setting.parse in (_path, normalize_location, _optional_path) and str(raw)
             if relative and "://" not in str(raw):
                 raw = str(path.parent / Path(str(raw)).expanduser())
             values[setting.key] = _parse(setting, raw, f"file {path}")

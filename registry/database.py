@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
@@ -24,9 +25,10 @@ from sqlalchemy import (
     inspect,
     text,
 )
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError
 
+from flare.extras import install_hint
 from flare.faults import crash_point
 from flare.registry.models import metadata
 from flare.store.backends.filesystems import on_network_filesystem
@@ -49,13 +51,18 @@ NEARLY_FULL = 1 << 20
 """Free bytes below which a SQLite I/O error is taken for a full disk."""
 PG_DISK_FULL = "53100"
 """PostgreSQL's SQLSTATE disk_full: the server could not extend a table, index or WAL file."""
+PG_NO_DATABASE = re.compile(r'database "[^"]*" does not exist')
+"""The server's refusal of a connection to a database it lacks (a connection failure carries
+no SQLSTATE, only this text)."""
+URL_EXAMPLES = "write e.g. postgresql+psycopg://USER@HOST/DB or sqlite:////abs/path/index.db"
 SCHEMA_HEAD = "0002"
 """The newest revision in migrations/versions (a test keeps the two equal). An index already
 at it opens without loading alembic, which keeps every command's start-up short."""
 
 
 class UnusableIndexError(FlareError):
-    """The index DB cannot be used as it is: unreachable, from a newer flare, or corrupt."""
+    """The index DB cannot be used as it is: a bad URL, unreachable, a PostgreSQL database
+    that does not exist, from a newer flare, or corrupt."""
 
     exit_code = 10
 
@@ -149,21 +156,49 @@ def _create(connection: Connection) -> str:
     return SCHEMA_HEAD
 
 
+def _hide_password(url: str) -> str:
+    """The URL as written, its password (`USER:SECRET@`) replaced by `***`."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
+
+
+def _bad_url(url: str, reason: object) -> UnusableIndexError:
+    """A URL SQLAlchemy cannot parse or load a driver for, said in one line."""
+    if isinstance(reason, ImportError) and "psycopg" in str(reason):
+        hint = f"install PostgreSQL's driver: {install_hint('postgres')}"
+    else:
+        hint = URL_EXAMPLES
+    return UnusableIndexError(
+        f"registry.database {_hide_password(url)!r} is not a usable index DB URL ({reason})", hint
+    )
+
+
+def _parse(url: str) -> URL:
+    """The URL parsed; refused if SQLAlchemy cannot parse it, or if it is SQLite's in-memory
+    DB (an index that would be empty on every command)."""
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError) as exc:
+        raise _bad_url(url, exc) from exc
+    if parsed.get_backend_name() == "sqlite" and parsed.database in (None, "", ":memory:"):
+        raise _bad_url(url, "a SQLite URL must name a file")
+    return parsed
+
+
 class IndexDB:
     """An engine on the index DB, migrated to this flare's schema."""
 
     def __init__(self, url: str) -> None:
         self.url = url
-        parsed = make_url(url)
+        parsed = _parse(url)
+        self.created = False
+        """Whether this open made the DB's tables (a new or an emptied DB)."""
         self.sqlite_path = Path(parsed.database) if parsed.get_backend_name() == "sqlite" else None
         if self.sqlite_path is not None:
             self.sqlite_path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.engine = create_engine(url)
         except (ArgumentError, ImportError, ValueError) as exc:
-            raise UnusableIndexError(
-                f"bad index DB URL {url!r}: {exc}", "use e.g. postgresql+psycopg://user@host/db"
-            ) from exc
+            raise _bad_url(url, exc) from exc
         if self.sqlite_path is not None:
             self._configure_sqlite()
 
@@ -212,6 +247,7 @@ class IndexDB:
     def _upgrade(self, connection) -> str:  # type: ignore[no-untyped-def]
         current = self._current(connection)
         if current is None:
+            self.created = True
             return _create(connection)
         if current == SCHEMA_HEAD:
             return current  # another host upgraded it while this one waited for the lock
@@ -223,7 +259,7 @@ class IndexDB:
         scripts = ScriptDirectory.from_config(config)
         if current not in {s.revision for s in scripts.walk_revisions()}:
             raise UnusableIndexError(
-                f"the index DB {self._where()} has schema {current}, newer than this flare",
+                f"the index DB {self.where()} has schema {current}, newer than this flare",
                 "upgrade flare on this host",
             )
         command.upgrade(config, "head")
@@ -305,7 +341,7 @@ class IndexDB:
             where = "the PostgreSQL server's disk (its data folder or the DB's tablespace)"
         reason = str(exc.orig or exc).splitlines()[0]
         return NoSpaceError(
-            f"cannot write the index DB {self._where()}: the disk is full ({reason})",
+            f"cannot write the index DB {self.where()}: the disk is full ({reason})",
             f"free space on {where}, then run the command again",
         )
 
@@ -315,18 +351,33 @@ class IndexDB:
 
     def _corrupt(self, exc: Exception) -> FlareError:
         return UnusableIndexError(
-            f"the index DB {self._where()} is unreadable ({str(exc).splitlines()[0]})",
+            f"the index DB {self.where()} is unreadable ({str(exc).splitlines()[0]})",
             "run `flare registry reindex` to rebuild it from the store",
             corrupt=True,
         )
 
     def _unreachable(self, exc: Exception) -> FlareError:
+        if self.sqlite_path is None and PG_NO_DATABASE.search(str(exc)):
+            return self._no_database()
         return UnusableIndexError(
-            f"cannot use the index DB {self._where()}: {str(exc).splitlines()[0]}",
+            f"cannot use the index DB {self.where()}: {str(exc).splitlines()[0]}",
             "check registry.database (FLARE_DATABASE) and that the server is up",
         )
 
-    def _where(self) -> str:
+    def _no_database(self) -> FlareError:
+        """flare creates its tables in a PostgreSQL database, not the database itself (that
+        takes the server's owner, and a mistyped name would otherwise make a second index)."""
+        url = make_url(self.url)
+        server = f"{url.host or 'localhost'}:{url.port or 5432}"
+        return UnusableIndexError(
+            f"the PostgreSQL database {url.database} does not exist on {server} "
+            "(registry.database)",
+            f"create it there (createdb {url.database}; flare makes the tables), or point "
+            "registry.database (FLARE_DATABASE) at the lab's index DB",
+        )
+
+    def where(self) -> str:
+        """The DB for messages: its SQLite file, or its URL with the password hidden."""
         return str(self.sqlite_path) if self.sqlite_path else make_url(self.url).render_as_string()
 
     def dispose(self) -> None:

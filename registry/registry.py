@@ -20,6 +20,7 @@ from flare.registry.database import IndexDB
 from flare.registry.models import package_blobs, packages, publications, tags
 from flare.registry.refs import BadRef
 from flare.sign.errors import UntrustedError
+from flare.store.backends import normalize_location
 from flare.store.backends.filesystems import cache_window_s, filesystem_type, on_network_filesystem
 from flare.store.blobs import BlobStore, VerifyReport
 from flare.store.digest import Digest
@@ -71,9 +72,22 @@ def default_database(location: str, home: Path) -> str:
     """SQLite beside the blobs for a folder on a local disk; for a folder on a network
     filesystem or a URL, this host's own SQLite index under FLARE_HOME, brought up to date from
     the store on every open (registry/localindex.py): SQLite cannot be shared between hosts."""
+    location = normalize_location(location)
     if "://" not in location and not on_network_filesystem(Path(location)):
         return f"sqlite:///{Path(location) / INDEX_FILE}"
     return localindex.host_index_url(location, home)
+
+
+def index_database(location: str, registry: str, database: str, home: Path) -> str:
+    """The index DB of the registry at `location`: `database` (registry.database) if it is
+    the configured registry `registry` (paths.registry), however either is spelled; else that
+    registry's own default index. A lab's PostgreSQL indexes the lab's registry; another
+    registry a command names (a copy's destination, a scratch registry) keeps an index of its
+    own, so that one DB never lists two stores' packages, nor does one's `reindex` empty the
+    other's listing."""
+    if database and normalize_location(location) == normalize_location(registry):
+        return database
+    return default_database(location, home)
 
 
 class Registry:
@@ -89,10 +103,13 @@ class Registry:
         cache_window: float | None = None,
     ) -> None:
         self.store = BlobStore(location, encoding, zstd_level)
-        if not create and not self.store.backend.list_dir(""):
+        if create:
+            self.store.backend.ensure(refs.REFS_DIR)
+        elif not self.store.backend.exists(refs.REFS_DIR):
             raise NotFoundError(
-                f"no registry at {location}",
-                "check --registry or paths.registry; `flare build` creates one",
+                f"no registry at {self.location}",
+                "check --registry or paths.registry; `flare build` or `flare registry copy "
+                "--to` creates one",
             )
         self.db = IndexDB(database)
         localindex.check_index_place(self)
@@ -103,6 +120,20 @@ class Registry:
         """Things the user should hear once, said while opening (the CLI prints them)."""
         if self.db.sqlite_path is not None and self.store.backend.network:
             self.notes = localindex.sync(self, self.cache_window_s)
+        elif self.db.created:
+            self.notes = self._fill_new_index()
+
+    def _fill_new_index(self) -> list[str]:
+        """A new index DB of a registry that holds packages already (its DB lost, or first
+        opened under this spelling or URL by an older flare) is filled from the store at
+        once: listing nothing until someone thinks of `reindex` would hide every package."""
+        if not refs.names(self.store, []):
+            return []
+        indexed = self.reindex().packages
+        return [
+            f"note: filled the new index DB {self.db.where()} from the store ({indexed} "
+            "package records)"
+        ]
 
     def _cache_window(self, configured: float | None) -> float:
         """The configured window (registry.cache_window), else the filesystem type's."""

@@ -27,10 +27,18 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from flare import __version__
 from flare.serve.drain import AdmitRequests, Drain, refusal
 from flare.serve.errors import AnswerFaults, ApiError, internal_error
 from flare.serve.limits import BodyLimits, LimitBodies
@@ -56,9 +64,12 @@ from flare.serve.schemas import (
     EmbeddingRequest,
     ErrorResponse,
     Health,
+    ModelEntry,
     ModelList,
     Sampling,
+    VersionInfo,
 )
+from flare.store.package import versions
 
 SAMPLING_RANGES = {
     "temperature": [0.0, 2.0],
@@ -109,11 +120,14 @@ def create_app(
     api_key: str | None = None,
     limits: BodyLimits | None = None,
 ) -> FastAPI:
-    """The app for one runtime: health, metrics, models, completions, chat, embeddings, and
-    its OpenAPI document. A request's body is held to `limits` (serve/limits.py), then the
-    request is admitted unless the server drains (`app.state.drain`, serve/drain.py), then
-    handled; a fault anywhere in that is answered (serve/errors.py)."""
-    app = FastAPI(title="flare", docs_url=None, redoc_url=None, openapi_url=None)
+    """The app for one runtime: health, metrics, version, models, completions, chat,
+    embeddings, and its OpenAPI document (with Swagger UI at /docs). A request's body is held
+    to `limits` (serve/limits.py), then the request is admitted unless the server drains
+    (`app.state.drain`, serve/drain.py), then handled; a fault anywhere in that is answered
+    (serve/errors.py)."""
+    app = FastAPI(
+        title="flare", version=__version__, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.ready = False
     app.state.drain = Drain()
     app.add_middleware(AdmitRequests, drain=app.state.drain)
@@ -126,9 +140,13 @@ def create_app(
     app.get("/health", response_model=None, responses=health)(routes.health)
     text = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
     app.get("/metrics", response_class=PlainTextResponse, responses=text)(routes.metrics)
+    app.get("/version", response_model=None, responses={200: {"model": VersionInfo}})(
+        routes.version
+    )
     v1 = _V1(api_key)
     generates = runtime.kind == "generate"
     app.get("/v1/models", **v1.route(ModelList))(routes.models)
+    app.get("/v1/models/{model_id:path}", **v1.route(ModelEntry))(routes.model)
     completions = v1.route(Completion, generates, CompletionChunk)
     app.post("/v1/completions", **completions)(routes.completions)
     chat = v1.route(ChatCompletion, generates, ChatCompletionChunk)
@@ -137,7 +155,14 @@ def create_app(
     chunks = (CompletionChunk, ChatCompletionChunk) if generates else ()
     document = openapi_document(app, package.name, api_key is not None, chunks)
     app.get("/openapi.json", include_in_schema=False)(lambda: JSONResponse(document))
+    app.get("/docs", include_in_schema=False)(lambda: _swagger_ui(package.name))
     return app
+
+
+def _swagger_ui(name: str) -> HTMLResponse:
+    """FastAPI's Swagger UI page on /openapi.json (the browser loads its script and style
+    from jsDelivr, FastAPI's default: the server ships no copy of Swagger UI)."""
+    return get_swagger_ui_html(openapi_url="/openapi.json", title=f"flare: {name}")
 
 
 @dataclass(frozen=True)
@@ -210,6 +235,10 @@ class _Routes:
         self.runtime = runtime
         self.package = package
         self.prompts = Prompts(runtime)
+        self.versions = versions()
+        self.build = {k: str(v) for k, v in self.versions.items()}
+        self.build |= {"name": package.name, "digest": package.digest}
+        """flare_build_info's labels."""
 
     async def health(self, request: Request) -> JSONResponse:
         if request.app.state.drain.begun:
@@ -218,11 +247,24 @@ class _Routes:
         return JSONResponse({"status": "ok" if ready else "starting"}, 200 if ready else 503)
 
     async def metrics(self) -> PlainTextResponse:
-        text, content_type = render_metrics(self.runtime)
+        text, content_type = render_metrics(self.runtime, self.build)
         return PlainTextResponse(text, media_type=content_type)
 
+    async def version(self) -> dict[str, Any]:
+        package = {"name": self.package.name, "digest": self.package.digest}
+        return self.versions | {"package": package}
+
     async def models(self) -> dict[str, Any]:
-        entry = {
+        return {"object": "list", "data": [self._model_entry()]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        """The official clients' `models.retrieve(id)`: the served model, else a 404."""
+        if model_id != self.package.name:
+            raise self._not_served(model_id)
+        return self._model_entry()
+
+    def _model_entry(self) -> dict[str, Any]:
+        return {
             "id": self.package.name,
             "object": "model",
             "created": self.package.created,
@@ -231,7 +273,14 @@ class _Routes:
             "context_length": self.runtime.context_length,
             "sampling": {"defaults": self.runtime.sampling_defaults, "ranges": SAMPLING_RANGES},
         }
-        return {"object": "list", "data": [entry]}
+
+    def _not_served(self, model: str) -> ApiError:
+        return ApiError(
+            404,
+            f"model {model!r} is not served here; this server runs {self.package.name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
     async def completions(self, body: CompletionRequest) -> Any:
         self._check_model(body.model, "generate")
@@ -263,12 +312,7 @@ class _Routes:
 
     def _check_model(self, model: str, kind: str) -> None:
         if model != self.package.name:
-            raise ApiError(
-                404,
-                f"model {model!r} is not served here; this server runs {self.package.name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            raise self._not_served(model)
         if self.runtime.kind != kind:
             raise ApiError(
                 400, f"{model} is a {self.runtime.kind} model; this route needs a {kind} model"

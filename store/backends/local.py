@@ -358,9 +358,10 @@ class LocalBackend:
     def _path(self, key: str) -> Path:
         return self.root / key
 
-    def ensure(self) -> None:
+    def ensure(self, *folders: str) -> None:
         try:
-            (self.root / TMP_DIR).mkdir(parents=True, exist_ok=True)
+            for folder in (TMP_DIR, *folders):
+                (self.root / folder).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise from_os_error(exc, "create the store at", self.root) from exc
 

@@ -14,6 +14,7 @@ from typing import Any, BinaryIO
 
 import fsspec
 
+from flare.extras import install_hint
 from flare.store.backends.base import TMP_DIR, StoredFile, TempFile
 from flare.store.backends.local import temp_name
 from flare.store.errors import FlareError, InvalidInputError, from_os_error
@@ -33,7 +34,7 @@ class FsspecBackend:
         except (ImportError, ValueError) as exc:
             raise InvalidInputError(
                 f"cannot open store {url}: {exc}",
-                "install the filesystem's package (s3:// needs `pip install flare[s3]`)",
+                f"install the filesystem's package (s3:// needs `{install_hint('s3')}`)",
             ) from exc
         self.root = root.rstrip("/")
         self.location = url
@@ -45,9 +46,10 @@ class FsspecBackend:
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
 
-    def ensure(self) -> None:
+    def ensure(self, *folders: str) -> None:
         try:
-            self.fs.makedirs(self._path(TMP_DIR), exist_ok=True)
+            for folder in (TMP_DIR, *folders):
+                self.fs.makedirs(self._path(folder), exist_ok=True)
         except OSError as exc:
             raise from_os_error(exc, "create the store at", self.location) from exc
 
