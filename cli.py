@@ -40,6 +40,13 @@ from flare.config import (
     parse_timeout,
     record_signing_key,
 )
+from flare.errors import (
+    FlareError,
+    IntegrityError,
+    InvalidInputError,
+    NotFoundError,
+    from_os_error,
+)
 from flare.registry.database import UnusableIndexError
 from flare.registry.refs import BadRef, BadRefError
 from flare.registry.registry import Registry, default_database
@@ -47,13 +54,6 @@ from flare.sign import policy as trust
 from flare.sign.errors import UntrustedError
 from flare.store import BlobStore, Digest, VerifyReport
 from flare.store.digest import parse_prefix
-from flare.store.errors import (
-    FlareError,
-    IntegrityError,
-    InvalidInputError,
-    NotFoundError,
-    from_os_error,
-)
 from flare.store.hashing import Progress as Advance
 
 if TYPE_CHECKING:  # imported where used: a listing command should not load what builds need

@@ -17,9 +17,9 @@ from pathlib import Path
 from flare.build.journal import Journal
 from flare.build.pipeline import Build, BuildRequest, Events
 from flare.build.target import MAX_CONCURRENCY, PREFILL_CHUNK
+from flare.errors import NotFoundError
 from flare.registry.registry import Registry
 from flare.store.digest import Digest
-from flare.store.errors import NotFoundError
 from flare.store.package import Manifest
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from flare.build.journal import inputs_digest
 from flare.build.plan import PlannedPayload
+from flare.errors import from_os_error
 from flare.store.blobs import BlobStore, PutResult
 from flare.store.digest import Digest
-from flare.store.errors import from_os_error
 from flare.store.hashing import FileState, Progress, check_unchanged
 from flare.store.safetensors import encode_header
 from flare.store.splice import FileRuns, Piece, PiecesReader

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 from flare.build.payloads import payload_stream, planned_size
 from flare.build.plan import PlannedPayload
 from flare.build.rendezvous import Rendezvous
+from flare.errors import IntegrityError
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
-from flare.store.errors import IntegrityError
 
 if TYPE_CHECKING:
     from flare.build.pipeline import Build

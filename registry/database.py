@@ -27,10 +27,10 @@ from sqlalchemy import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError
 
+from flare.errors import FlareError, NoSpaceError
 from flare.faults import crash_point
 from flare.registry.models import metadata
 from flare.store.backends.filesystems import on_network_filesystem
-from flare.store.errors import FlareError, NoSpaceError
 
 T = TypeVar("T")
 BUSY_TIMEOUT_MS = 30_000

@@ -18,6 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from flare.errors import (
+    FlareError,
+    IntegrityError,
+    InvalidInputError,
+    NotFoundError,
+    from_os_error,
+)
 from flare.store.backends import Backend, StoredFile, TempFile, open_backend
 from flare.store.backends.base import TMP_DIR
 from flare.store.digest import HEX_LENGTH, Digest, parse_prefix, resolve_prefix
@@ -28,13 +35,6 @@ from flare.store.encoding import (
     check_zstd_level,
     zstd_plain_size,
     zstd_writer,
-)
-from flare.store.errors import (
-    FlareError,
-    IntegrityError,
-    InvalidInputError,
-    NotFoundError,
-    from_os_error,
 )
 from flare.store.hashing import (
     FileState,

@@ -16,8 +16,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from flare.errors import InvalidInputError
 from flare.store.digest import Digest
-from flare.store.errors import InvalidInputError
 from flare.store.names import check_name
 from flare.store.safetensors import (
     DTYPE_SIZES,

@@ -22,10 +22,10 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from flare.errors import NotFoundError, from_os_error
 from flare.store.blobs import TRASH_DIR, BlobStore, blob_key
 from flare.store.digest import HEX_LENGTH, Digest
 from flare.store.encoding import Encoding
-from flare.store.errors import NotFoundError, from_os_error
 
 _ENTRY = re.compile(
     rf"([0-9a-f]{{{HEX_LENGTH}}})({re.escape(Encoding.ZSTD.suffix)})?\.([0-9]+)\.([0-9]+)"

@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 import torch
 
+from flare.errors import InvalidInputError
 from flare.serve.engine.attention import (
     AttentionMetadata,
     AttentionSpec,
@@ -14,7 +15,6 @@ from flare.serve.engine.attention import (
     flashinfer_unfit,
     make_attention,
 )
-from flare.store.errors import InvalidInputError
 
 SPEC = AttentionSpec(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128, scale=128**-0.5)
 BLOCK = 16

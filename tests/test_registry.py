@@ -10,6 +10,7 @@ import pytest
 from registry_helpers import BACKENDS, build_into, database, tiny_sources
 from sqlalchemy import inspect, text
 
+from flare.errors import AmbiguousError, IntegrityError, NotFoundError
 from flare.registry import refs
 from flare.registry.database import UnusableIndexError
 from flare.registry.gc import collect
@@ -17,7 +18,6 @@ from flare.registry.leases import hold_lease
 from flare.registry.registry import PinnedError, Registry
 from flare.store import Digest
 from flare.store.blobs import blob_key
-from flare.store.errors import AmbiguousError, IntegrityError, NotFoundError
 from flare.store.hashing import hash_bytes
 
 

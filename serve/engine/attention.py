@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from flare.store.errors import InvalidInputError
+from flare.errors import InvalidInputError
 
 ATTENTION_KINDS = ("auto", "torch", "flashinfer")
 FLASHINFER_HEAD_DIMS = (64, 128, 256)

@@ -9,8 +9,6 @@ import fcntl
 import io
 import mmap
 import os
-import secrets
-import socket
 import time
 from collections.abc import Iterator
 from functools import cached_property
@@ -18,10 +16,11 @@ from pathlib import Path
 from stat import S_ISREG
 from typing import BinaryIO
 
+from flare.atomic import fsync_dir, host_name, temp_name, write_file_atomic
+from flare.errors import FlareError, from_os_error
 from flare.store.backends.base import TMP_DIR, StoredFile, TempFile
 from flare.store.backends.filesystems import on_network_filesystem
 from flare.store.backends.linking import hardlink, reflink
-from flare.store.errors import FlareError, from_os_error
 from flare.store.hashing import default_workers
 
 WRITEBACK_EVERY = 64 << 20
@@ -251,33 +250,6 @@ def open_uncached(path: Path) -> BinaryIO:
     return handle  # type: ignore[return-value]
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or link inside `path` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_atomic(path: Path, data: bytes) -> None:
-    """Write a small file durably: temp file beside it, fsync, rename, fsync the folder."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{temp_name()}")
-        try:
-            with open(partial, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
-        fsync_dir(path.parent)
-    except OSError as exc:
-        raise from_os_error(exc, "write", path) from exc
-
-
 def make_dir_durable(path: Path) -> None:
     """Create a folder (and parents) so that a crash cannot lose its entry."""
     if path.is_dir():
@@ -325,15 +297,6 @@ def _rename_no_clobber(temp: Path, dest: Path) -> bool:
         return False
     os.replace(temp, dest)
     return True
-
-
-def temp_name() -> str:
-    """A unique temp file name that says which host and process writes it."""
-    return f"{_host()}.{os.getpid()}.{secrets.token_hex(8)}.part"
-
-
-def _host() -> str:
-    return socket.gethostname().replace(".", "_") or "host"
 
 
 FOREIGN_STALE_S = 86400.0
@@ -527,7 +490,7 @@ class LocalBackend:
             entries = list(os.scandir(self.root / TMP_DIR))
         except FileNotFoundError:
             return removed
-        now, mine = time.time(), f"{_host()}."
+        now, mine = time.time(), f"{host_name()}."
         for entry in entries:
             foreign = self.network and not entry.name.startswith(mine)
             cutoff = now - (max(stale_after_s, FOREIGN_STALE_S) if foreign else stale_after_s)

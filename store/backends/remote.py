@@ -14,9 +14,9 @@ from typing import Any, BinaryIO
 
 import fsspec
 
+from flare.atomic import temp_name
+from flare.errors import FlareError, InvalidInputError, from_os_error
 from flare.store.backends.base import TMP_DIR, StoredFile, TempFile
-from flare.store.backends.local import temp_name
-from flare.store.errors import FlareError, InvalidInputError, from_os_error
 
 
 class FsspecBackend:
