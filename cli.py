@@ -2,32 +2,34 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import asdict
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.filesize import decimal
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.table import Table
+from rich.progress import Progress
 
 from flare.build.target import MAX_CONCURRENCY, PREFILL_CHUNK
+from flare.cli_common import (
+    AcceptOption,
+    JsonOption,
+    RegistryOption,
+    RestoreOption,
+    VerifyDryRunOption,
+    bar_columns,
+    err,
+    out,
+    print_done,
+    print_json,
+    print_table,
+    progress_bar,
+)
 from flare.config import (
     SETTINGS,
     Config,
@@ -52,9 +54,8 @@ from flare.registry.refs import BadRef, BadRefError
 from flare.registry.registry import Registry, default_database
 from flare.sign import policy as trust
 from flare.sign.errors import UntrustedError
-from flare.store import BlobStore, Digest, VerifyReport
-from flare.store.digest import parse_prefix
-from flare.store.hashing import Progress as Advance
+from flare.store import Digest
+from flare.store.commands import exit_for, print_verify, store_app, verify_fields
 
 if TYPE_CHECKING:  # imported where used: a listing command should not load what builds need
     from flare.build.check import CheckResult
@@ -63,8 +64,6 @@ if TYPE_CHECKING:  # imported where used: a listing command should not load what
     from flare.sign.verify import Verdict
     from flare.store.package import Manifest
 
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
 _state = {"debug": bool(os.environ.get("FLARE_DEBUG"))}
 
 app = typer.Typer(
@@ -73,7 +72,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-store_app = typer.Typer(help="The content-addressed blob store.", no_args_is_help=True)
 config_app = typer.Typer(help="The effective configuration.", no_args_is_help=True)
 registry_app = typer.Typer(
     help="Packages in the registry: list, tag, pin, remove, collect garbage, verify, copy.",
@@ -89,30 +87,6 @@ app.add_typer(config_app, name="config")
 app.add_typer(key_app, name="key")
 app.add_typer(trust_app, name="trust")
 
-JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
-RegistryOption = Annotated[
-    str | None, typer.Option("--registry", help="Registry location (default: the config's).")
-]
-AcceptOption = Annotated[
-    str | None,
-    typer.Option(
-        "--dangerously-accept-publisher",
-        metavar="NAME",
-        help="Also accept a valid signature by NAME's untrusted (never a revoked) key, this once.",
-    ),
-]
-StoreOption = Annotated[
-    str | None,
-    typer.Option("--store", help="Store location (path or URL). Default: the registry's."),
-]
-VerifyDryRunOption = Annotated[
-    bool, typer.Option("--dry-run", help="Report corrupt blobs; move nothing, sweep nothing.")
-]
-RestoreOption = Annotated[
-    bool,
-    typer.Option("--restore", help="First put back quarantined blobs that now hash right."),
-]
-
 
 @app.callback()
 def _root(
@@ -123,38 +97,6 @@ def _root(
 
 
 # -- output helpers ---------------------------------------------------------------------------
-
-
-def print_json(data: Any) -> None:
-    """JSON on stdout: indented on a terminal, one compact line for scripts (json's C encoder
-    runs only without indentation: 10,000 packages print in a tenth of the time)."""
-    indent = 2 if sys.stdout.isatty() else None
-    sys.stdout.write(json.dumps(data, indent=indent, sort_keys=True, default=str) + "\n")
-
-
-def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """A table for people."""
-    table = Table(title=title, title_justify="left", box=None, pad_edge=False)
-    for column in columns:
-        table.add_column(column, no_wrap=column == "digest", overflow="fold")
-    for row in rows:
-        table.add_row(*(str(cell) for cell in row))
-    out.print(table)
-
-
-@contextmanager
-def progress_bar(description: str, total: int) -> Iterator[Advance]:
-    """A bytes progress bar on stderr (rate, time left); yields the advance callback."""
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n: bar.advance(task, n)
 
 
 def open_registry(
@@ -183,26 +125,6 @@ def open_registry(
     return opened
 
 
-def open_store(location: str | None, existing: bool = False) -> BlobStore:
-    """The store a command acts on: --store, else the configured registry's."""
-    config = load_config()
-    store = BlobStore(location or config.registry, config.store_encoding, config.zstd_level)
-    if existing:
-        store.require_existing()
-    return store
-
-
-def input_bytes(paths: Sequence[Path]) -> int:
-    """Total size of the files under the given paths, for a progress bar's total."""
-    total = 0
-    for path in paths:
-        if path.is_dir():
-            total += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        elif path.exists():
-            total += path.stat().st_size
-    return total
-
-
 # -- flare build ------------------------------------------------------------------------------
 
 
@@ -210,13 +132,7 @@ class BuildProgress:
     """A bar per phase on a terminal; one line per phase in logs."""
 
     def __init__(self) -> None:
-        columns = (
-            TextColumn("{task.description:<9}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-        )
+        columns = bar_columns("{task.description:<9}")
         self.bar = Progress(*columns, console=err, disable=not err.is_terminal)
         self.task: Any = None
 
@@ -701,7 +617,7 @@ def sign_command(
         bundle = sign_package(key, name_as, digest, manifest)
     signed_as = target.add_signature(digest, bundle)
     data = {"name": name, "digest": str(digest), "publisher": signed_as}
-    _done(as_json, data, f"signed {name or ''}@{digest} as {signed_as}")
+    print_done(as_json, data, f"signed {name or ''}@{digest} as {signed_as}")
 
 
 def _keyless_bundle(
@@ -741,10 +657,10 @@ def verify_command(
         signature = {"refused": str(verdict)} if refused else asdict(verdict)
         print_json({"name": name, "digest": str(digest), "signature": signature, "ok": report.ok})
     else:
-        _print_verify(report, "flare registry verify --restore")
+        print_verify(report, "flare registry verify --restore")
         if not isinstance(verdict, UntrustedError):
             out.print(f"signed by {verdict.publisher} ({verdict.signer})", markup=False)
-    _exit_for(report)
+    exit_for(report)
     if isinstance(verdict, UntrustedError):
         raise verdict
 
@@ -860,7 +776,7 @@ def pull_command(
         "bytes": report.bytes,
     }
     methods = ", ".join(f"{n} {m}" for m, n in sorted(report.methods.items())) or "all present"
-    _done(
+    print_done(
         as_json,
         data,
         f"pulled {plan.name or ''}@{plan.digest} into {cache.root}: {methods}, "
@@ -1074,7 +990,7 @@ def trust_add(
     trust.save_policy(policy, config["trust.file"])
     added = policy.by_name(name)
     assert added is not None
-    _done(as_json, _trust_row(added, policy), f"trusted {name} ({added.signer})")
+    print_done(as_json, _trust_row(added, policy), f"trusted {name} ({added.signer})")
 
 
 def _read_text(path: Path) -> str:
@@ -1120,7 +1036,7 @@ def trust_rm(name: str, as_json: JsonOption = False) -> None:
     """Stop trusting a publisher (its key is not revoked: see flare trust revoke)."""
     config = load_config()
     trust.save_policy(trust.remove(trust.load_policy(config), name), config["trust.file"])
-    _done(as_json, {"removed": name}, f"no longer trusting {name}")
+    print_done(as_json, {"removed": name}, f"no longer trusting {name}")
 
 
 @trust_app.command("revoke")
@@ -1131,174 +1047,10 @@ def trust_revoke(
     """Refuse a key from now on, even with --dangerously-accept-publisher."""
     config = load_config()
     trust.save_policy(trust.revoke(trust.load_policy(config), fingerprint), config["trust.file"])
-    _done(as_json, {"revoked": fingerprint}, f"revoked {fingerprint}")
+    print_done(as_json, {"revoked": fingerprint}, f"revoked {fingerprint}")
 
 
 # -- flare store ------------------------------------------------------------------------------
-
-
-@store_app.command("put")
-def store_put(
-    paths: Annotated[list[Path], typer.Argument(help="Files or folders to store.")],
-    no_link: Annotated[
-        bool, typer.Option("--no-link", help="Copy even where linking works.")
-    ] = False,
-    store: StoreOption = None,
-    as_json: JsonOption = False,
-) -> None:
-    """Store files (folders recursively); linked where the filesystem allows, always hashed."""
-    blobs = open_store(store)
-    rows = []
-    with progress_bar("put", input_bytes(paths)) as advance:
-        for path in paths:
-            if path.is_dir():
-                results = blobs.put_tree(path, link=not no_link, progress=advance)
-                rows += [(str(path / rel), r) for rel, r in results.items()]
-            else:
-                rows.append((str(path), blobs.put_file(path, link=not no_link, progress=advance)))
-    if as_json:
-        print_json([{"path": p, **_put_fields(r)} for p, r in rows])
-        return
-    print_table(
-        f"stored in {blobs.location}",
-        ("digest", "size", "method", "path"),
-        [(r.digest.short(16), decimal(r.size), r.method, p) for p, r in rows],
-    )
-
-
-def _put_fields(result: Any) -> dict[str, Any]:
-    return {"digest": str(result.digest), "size": result.size, "method": result.method}
-
-
-@store_app.command("get")
-def store_get(
-    digest: Annotated[str, typer.Argument(help="Digest or unique prefix (8+ hex digits).")],
-    dest: Annotated[Path, typer.Argument(help="File to write (or a folder to write into).")],
-    store: StoreOption = None,
-    as_json: JsonOption = False,
-) -> None:
-    """Write a blob's content to a file, verified against its digest."""
-    parse_prefix(digest)  # a malformed digest is the first thing to report
-    blobs = open_store(store, existing=True)
-    resolved = blobs.resolve(digest)
-    info = blobs.require(resolved)
-    with progress_bar("get", blobs.plain_size(info)) as advance:
-        written, size = blobs.get(resolved, dest, progress=advance)
-    if as_json:
-        print_json({"digest": str(resolved), "dest": str(written), "size": size})
-    else:
-        out.print(f"wrote {written} ({decimal(size)}, verified {resolved.short()})")
-
-
-@store_app.command("ls")
-def store_ls(store: StoreOption = None, as_json: JsonOption = False) -> None:
-    """List the blobs in the store."""
-    blobs = open_store(store, existing=True)
-    infos = sorted(blobs.iter_blobs(), key=lambda i: i.digest)
-    if as_json:
-        print_json([{**asdict(i), "digest": str(i.digest)} for i in infos])
-        return
-    print_table(
-        f"{len(infos)} blobs in {blobs.location}",
-        ("digest", "encoding", "stored"),
-        [(i.digest, i.encoding, decimal(i.stored_size)) for i in infos],
-    )
-
-
-@store_app.command("du")
-def store_du(store: StoreOption = None, as_json: JsonOption = False) -> None:
-    """Show what the store holds and the free space beside it."""
-    blobs = open_store(store, existing=True)
-    usage = blobs.usage()
-    if as_json:
-        print_json({"location": blobs.location, **asdict(usage)})
-        return
-    free = "unknown" if usage.free_bytes is None else decimal(usage.free_bytes)
-    print_table(
-        f"usage of {blobs.location}",
-        ("blobs", "stored", "temp", "quarantine", "trash", "free"),
-        [
-            (
-                usage.blobs,
-                decimal(usage.stored_bytes),
-                decimal(usage.temp_bytes),
-                decimal(usage.quarantine_bytes),
-                decimal(usage.trash_bytes),
-                free,
-            )
-        ],
-    )
-
-
-@store_app.command("verify")
-def store_verify(
-    digests: Annotated[
-        list[str] | None, typer.Argument(help="Digests to check (default: every blob).")
-    ] = None,
-    workers: Annotated[int | None, typer.Option(help="Blobs hashed at once.")] = None,
-    dry_run: VerifyDryRunOption = False,
-    restore: RestoreOption = False,
-    store: StoreOption = None,
-    as_json: JsonOption = False,
-) -> None:
-    """Re-hash blobs in parallel; quarantine corrupt ones. Exit 6 if corrupt, 3 if missing."""
-    blobs = open_store(store, existing=True)
-    wanted = [_verify_target(blobs, d) for d in digests] if digests else None
-    infos = [blobs.locate(d) for d in wanted] if wanted else list(blobs.iter_blobs())
-    total = sum(i.stored_size for i in infos if i)
-    with progress_bar("verify", total) as advance:
-        report = blobs.verify(wanted, workers, advance, dry_run=dry_run, restore=restore)
-    _report_verify(report, as_json, "flare store verify --restore")
-
-
-def _report_verify(report: VerifyReport, as_json: bool, restore_command: str) -> None:
-    """Print a verify report; exit 6 if anything is corrupt, else 3 if anything is missing."""
-    if as_json:
-        print_json({**_report_fields(report), "ok": report.ok})
-    else:
-        _print_verify(report, restore_command)
-    _exit_for(report)
-
-
-def _report_fields(report: VerifyReport) -> dict[str, Any]:
-    return {
-        **asdict(report),
-        "corrupt": [str(d) for d in report.corrupt],
-        "missing": [str(d) for d in report.missing],
-        "reread": [str(d) for d in report.reread],
-    }
-
-
-def _exit_for(report: VerifyReport) -> None:
-    """Exit 6 if anything is corrupt, else 3 if anything is missing."""
-    if report.corrupt:
-        raise typer.Exit(IntegrityError.exit_code)
-    if report.missing:
-        raise typer.Exit(NotFoundError.exit_code)
-
-
-def _verify_target(blobs: BlobStore, text: str) -> Digest:
-    """A full digest is checked even when absent (reported missing); a prefix must resolve."""
-    return Digest.parse(text) if len(text.removeprefix("blake3:")) == 64 else blobs.resolve(text)
-
-
-def _print_verify(report: VerifyReport, restore_command: str, ok: bool = True) -> None:
-    """The report's lines, then `ok`, or `FAILED` if the report (or the caller: `ok`) says so."""
-    for key in report.restored:
-        out.print(f"restored: {key} (it hashes right again)")
-    out.print(f"checked {report.checked} blobs ({decimal(report.checked_bytes)})")
-    for digest in report.reread:
-        out.print(f"intact on a second read (the first read was stale): {digest}")
-    moved = report.quarantined or ["--dry-run: left in place"] * len(report.corrupt)
-    for digest, where in zip(report.corrupt, moved, strict=True):
-        out.print(f"corrupt: {digest} ({where if report.dry_run else f'moved to {where}'})")
-    if report.quarantined:
-        out.print(f"quarantined blobs that hash right later are put back by `{restore_command}`")
-    for digest in report.missing:
-        out.print(f"missing: {digest}")
-    for key in report.stray:
-        out.print(f"not a blob name (left in place): {key}")
-    out.print("ok" if report.ok and ok else "FAILED")
 
 
 # -- flare registry ---------------------------------------------------------------------------
@@ -1388,14 +1140,18 @@ def registry_tag(
 ) -> None:
     """Point NAME:TAG at the package REF names."""
     name, tag, digest = open_registry(registry).tag(ref, name_tag)
-    _done(as_json, {"name": name, "tag": tag, "digest": str(digest)}, f"{name}:{tag} -> {digest}")
+    print_done(
+        as_json, {"name": name, "tag": tag, "digest": str(digest)}, f"{name}:{tag} -> {digest}"
+    )
 
 
 @registry_app.command("pin")
 def registry_pin(ref: str, registry: RegistryOption = None, as_json: JsonOption = False) -> None:
     """Pin a package: gc never removes it, rm refuses it."""
     name, digest = open_registry(registry).pin(ref)
-    _done(as_json, {"name": name, "digest": str(digest), "pinned": True}, f"pinned {name}@{digest}")
+    print_done(
+        as_json, {"name": name, "digest": str(digest), "pinned": True}, f"pinned {name}@{digest}"
+    )
 
 
 @registry_app.command("unpin")
@@ -1403,7 +1159,7 @@ def registry_unpin(ref: str, registry: RegistryOption = None, as_json: JsonOptio
     """Unpin a package."""
     name, digest = open_registry(registry).pin(ref, pinned=False)
     data = {"name": name, "digest": str(digest), "pinned": False}
-    _done(as_json, data, f"unpinned {name}@{digest}")
+    print_done(as_json, data, f"unpinned {name}@{digest}")
 
 
 @registry_app.command("rm")
@@ -1411,7 +1167,7 @@ def registry_rm(ref: str, registry: RegistryOption = None, as_json: JsonOption =
     """Remove a package from its name (and its tags); gc frees its blobs later."""
     name, digest, tags = open_registry(registry).remove(ref)
     suffix = f" (tags {', '.join(tags)})" if tags else ""
-    _done(
+    print_done(
         as_json,
         {"name": name, "digest": str(digest), "tags": tags},
         f"removed {name}@{digest}{suffix}",
@@ -1458,7 +1214,7 @@ def _print_bad_refs(bad: list[BadRef], prefix: str = "") -> None:
 def registry_migrate(registry: RegistryOption = None, as_json: JsonOption = False) -> None:
     """Apply the index DB's schema migrations (also done whenever the registry is opened)."""
     head = open_registry(registry).db.migrate()
-    _done(as_json, {"schema": head}, f"index DB schema at {head}")
+    print_done(as_json, {"schema": head}, f"index DB schema at {head}")
 
 
 @registry_app.command("gc")
@@ -1516,16 +1272,16 @@ def registry_verify(
     bad = [] if ref else target.bad_refs()
     if as_json:
         ok = report.ok and not refused and not bad
-        fields = {**_report_fields(report), "bad_refs": _bad_ref_fields(bad)}
+        fields = {**verify_fields(report), "bad_refs": _bad_ref_fields(bad)}
         print_json({**fields, "untrusted": refused, "ok": ok})
     else:
         _print_bad_refs(bad)
-        _print_verify(report, "flare registry verify --restore", ok=not bad)
+        print_verify(report, "flare registry verify --restore", ok=not bad)
     if report.corrupt:
         raise typer.Exit(IntegrityError.exit_code)
     if bad:
         raise typer.Exit(BadRefError.exit_code)
-    _exit_for(report)
+    exit_for(report)
     if refused:
         raise typer.Exit(UntrustedError.exit_code)
 
@@ -1567,13 +1323,6 @@ def registry_copy(
         f"copied {report.name or ''}@{report.digest} to {dest.location} "
         f"({decimal(report.bytes)}; {how})"
     )
-
-
-def _done(as_json: bool, data: dict[str, Any], message: str) -> None:
-    if as_json:
-        print_json(data)
-    else:
-        out.print(message)
 
 
 # -- flare config -----------------------------------------------------------------------------
