@@ -116,7 +116,7 @@ def test_flashinfer_attends_as_the_reference_does_over_steps() -> None:
 
 
 def test_the_cli_offers_exactly_the_backends_the_engine_knows() -> None:
-    from flare.cli import Attention
+    from flare.serve.commands import Attention
     from flare.serve.engine.attention import ATTENTION_KINDS
 
     assert sorted(a.value for a in Attention) == sorted(ATTENTION_KINDS)
