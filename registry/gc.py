@@ -31,8 +31,8 @@ from flare.registry.marks import Marked
 from flare.registry.refs import BadRef, RefScan
 from flare.registry.registry import Registry
 from flare.store import trash
-from flare.store.blobs import blob_key
 from flare.store.digest import Digest
+from flare.store.layout import blob_key
 from flare.store.safetensors import FormatError
 from flare.store.sweep import unmarked
 

@@ -22,9 +22,10 @@ from flare.registry.models import package_blobs, packages, publications, tags
 from flare.registry.refs import BadRef
 from flare.sign.errors import UntrustedError
 from flare.store.backends.filesystems import cache_window_s, filesystem_type, on_network_filesystem
-from flare.store.blobs import BlobStore, VerifyReport
+from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
 from flare.store.encoding import Encoding
+from flare.store.reports import VerifyReport
 from flare.store.safetensors import FormatError
 
 if TYPE_CHECKING:

@@ -22,8 +22,9 @@ from flare.cli_common import (
 )
 from flare.config import load_config
 from flare.errors import IntegrityError, NotFoundError
-from flare.store.blobs import BlobStore, PutResult, VerifyReport
+from flare.store.blobs import BlobStore, PutResult
 from flare.store.digest import Digest, parse_prefix
+from flare.store.reports import VerifyReport
 
 store_app = typer.Typer(help="The content-addressed blob store.", no_args_is_help=True)
 

@@ -20,7 +20,7 @@ from helpers import write_random
 
 from flare.errors import FlareError, IntegrityError, NotFoundError
 from flare.store import BlobStore, Digest, Encoding
-from flare.store.blobs import blob_key
+from flare.store.layout import blob_key
 from flare.store.splice import FileRuns
 from flare.store.sweep import Reached, unmarked
 

@@ -17,8 +17,8 @@ from flare.registry.gc import collect
 from flare.registry.leases import hold_lease
 from flare.registry.registry import PinnedError, Registry
 from flare.store import Digest
-from flare.store.blobs import blob_key
 from flare.store.hashing import hash_bytes
+from flare.store.layout import blob_key
 
 
 @pytest.fixture(scope="module")

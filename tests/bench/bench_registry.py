@@ -70,10 +70,10 @@ from flare.registry import gc, refs
 from flare.registry.marks import Marked
 from flare.registry.registry import Registry, default_database
 from flare.store.backends.local import MAX_SWEEP_PROCESSES
-from flare.store.blobs import BLOB_DIR, blob_key
 from flare.store.digest import Digest
 from flare.store.encoding import Encoding
 from flare.store.hashing import hash_bytes, hash_file
+from flare.store.layout import BLOB_DIR, blob_key
 from flare.store.package import (
     FORMAT_VERSION,
     RUNTIME_ABI,
