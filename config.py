@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flare.atomic import write_file_atomic
+from flare.errors import FlareError, InvalidInputError, NotFoundError
 from flare.store.backends import normalize_location
-from flare.store.backends.local import write_file_atomic
 from flare.store.encoding import Encoding, check_zstd_level
-from flare.store.errors import FlareError, InvalidInputError, NotFoundError
 from flare.toolchain import TARGETS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from flare.store.errors import InvalidInputError
+from flare.errors import InvalidInputError
 from flare.store.package import Manifest
 from flare.store.safetensors import FormatError
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from rich.filesize import decimal
 
-from flare.store.errors import InvalidInputError
+from flare.errors import InvalidInputError
 
 INTERVAL_ENV = "FLARE_PROGRESS_INTERVAL"
 DEFAULT_INTERVAL_S = 5.0

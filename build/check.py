@@ -18,9 +18,9 @@ from flare.build.journal import Journal
 from flare.build.phases import Events
 from flare.build.pipeline import Build, BuildRequest
 from flare.build.target import MAX_CONCURRENCY, PREFILL_CHUNK
+from flare.errors import NotFoundError
 from flare.registry.registry import Registry
 from flare.store.digest import Digest
-from flare.store.errors import NotFoundError
 from flare.store.package import Manifest
 
 

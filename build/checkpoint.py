@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from flare.build.sources import Source
-from flare.store.errors import InvalidInputError, NotFoundError, from_os_error
+from flare.errors import InvalidInputError, NotFoundError, from_os_error
 from flare.store.safetensors import FormatError, read_header
 
 SHARD_INDEX = "model.safetensors.index.json"

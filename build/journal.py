@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from flare.store.backends.local import write_file_atomic
+from flare.atomic import write_file_atomic
+from flare.errors import from_os_error
 from flare.store.digest import Digest
-from flare.store.errors import from_os_error
 from flare.store.hashing import hash_bytes
 from flare.store.package import canonical_json
 

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from flare.store.backends.local import write_file_atomic
+from flare.atomic import write_file_atomic
 from flare.store.hashing import hash_bytes
 from flare.store.package import canonical_json
 

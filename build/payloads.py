@@ -18,10 +18,10 @@ from typing import Any, TypeVar
 
 from flare.build.journal import Journal, inputs_digest
 from flare.build.plan import PlannedPayload
+from flare.errors import from_os_error
 from flare.faults import crash_point
 from flare.store.blobs import BlobStore, PutResult
 from flare.store.digest import Digest
-from flare.store.errors import from_os_error
 from flare.store.hashing import FileState, Progress, check_unchanged, parallel_map
 from flare.store.safetensors import encode_header
 from flare.store.splice import FileRuns, Piece, PiecesReader

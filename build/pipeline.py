@@ -43,13 +43,13 @@ from flare.build.target import (
     preparation,
 )
 from flare.build.tune import TUNING_PATH, attention_shapes, tuning_inputs, tuning_records
+from flare.errors import IntegrityError, InvalidInputError
 from flare.faults import crash_point
 from flare.model_sizes import check_sizes
 from flare.registry.leases import Lease, add_to_lease, hold_lease, outlast_caches
 from flare.registry.registry import Registry
 from flare.store import trash
 from flare.store.digest import Digest
-from flare.store.errors import IntegrityError, InvalidInputError
 from flare.store.hashing import FileState, check_unchanged, hash_bytes
 from flare.store.package import (
     FORMAT_VERSION,

@@ -24,9 +24,9 @@ from typing import Any
 from flare.build.payloads import PayloadWriter, WrittenPayload, planned_size
 from flare.build.plan import PlannedPayload
 from flare.build.rendezvous import Rendezvous
+from flare.errors import IntegrityError
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
-from flare.store.errors import IntegrityError
 
 TAG_DOWN = 1
 """Message tag of payload bytes rank zero sends a peer."""

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-from flare.store.errors import FlareError, InvalidInputError
+from flare.errors import FlareError, InvalidInputError
 from flare.store.hashing import new_hasher
 
 CHUNK = 16 << 20

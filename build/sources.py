@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from flare.store.errors import InvalidInputError, NotFoundError
+from flare.errors import InvalidInputError, NotFoundError
 
 _HUB_ID = re.compile(r"^(?P<org>[\w.-]+)/(?P<name>[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")

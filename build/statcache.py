@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from flare.store.backends.local import write_file_atomic
+from flare.atomic import write_file_atomic
 from flare.store.digest import Digest
 from flare.store.hashing import FileState, Progress, hash_bytes, hash_file_state, parallel_map
 

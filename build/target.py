@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flare import toolchain
-from flare.store.errors import InvalidInputError
+from flare.errors import InvalidInputError
 
 MAX_CONCURRENCY = 32
 """Default: the largest decode batch a package plans for."""

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from flare.store.errors import FlareError
+from flare.errors import FlareError
 
 
 class PrepareError(FlareError):

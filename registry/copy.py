@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from flare.errors import IntegrityError
 from flare.faults import crash_point
 from flare.registry import refs
 from flare.registry.leases import hold_lease, outlast_caches
@@ -13,7 +14,6 @@ from flare.registry.signatures import write_signature
 from flare.store import trash
 from flare.store.blobs import PutResult
 from flare.store.digest import Digest
-from flare.store.errors import IntegrityError
 from flare.store.hashing import Progress, parallel_map
 
 

@@ -28,11 +28,11 @@ from sqlalchemy import (
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError
 
+from flare.errors import FlareError, NoSpaceError
 from flare.extras import install_hint
 from flare.faults import crash_point
 from flare.registry.models import metadata
 from flare.store.backends.filesystems import on_network_filesystem
-from flare.store.errors import FlareError, NoSpaceError
 
 T = TypeVar("T")
 BUSY_TIMEOUT_MS = 30_000

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+from flare.errors import NotFoundError
 from flare.faults import crash_point
 from flare.registry import journal, marks, refs, signatures
 from flare.registry.leases import drop_expired_leases, live_leases
@@ -30,9 +31,8 @@ from flare.registry.marks import Marked
 from flare.registry.refs import BadRef, RefScan
 from flare.registry.registry import Registry
 from flare.store import trash
-from flare.store.blobs import blob_key
 from flare.store.digest import Digest
-from flare.store.errors import NotFoundError
+from flare.store.layout import blob_key
 from flare.store.safetensors import FormatError
 from flare.store.sweep import unmarked
 

@@ -16,10 +16,10 @@ import json
 import time
 from dataclasses import dataclass
 
-from flare.store.backends.local import temp_name
+from flare.atomic import temp_name
+from flare.errors import InvalidInputError
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
-from flare.store.errors import InvalidInputError
 
 JOURNAL_DIR = "journal"
 SUFFIX = ".json"

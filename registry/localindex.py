@@ -45,11 +45,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import make_url
 
+from flare.errors import FlareError, InvalidInputError
 from flare.registry import journal, refs
 from flare.registry.models import packages, publications, tags
 from flare.store.backends.filesystems import filesystem_type
 from flare.store.digest import Digest
-from flare.store.errors import FlareError, InvalidInputError
 from flare.store.hashing import hash_bytes
 
 if TYPE_CHECKING:

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+from flare.errors import FlareError, InvalidInputError, NotFoundError
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest, parse_prefix, resolve_prefix
-from flare.store.errors import FlareError, InvalidInputError, NotFoundError
 from flare.store.names import check_name
 from flare.store.safetensors import MANIFEST_KEY, FormatError, read_header
 

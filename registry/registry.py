@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, Select, Table, delete, func, insert, select, update
 
+from flare.errors import FlareError, IntegrityError, InvalidInputError, NotFoundError
 from flare.faults import crash_point
 from flare.registry import journal, localindex, marks, refs, signatures
 from flare.registry.database import IndexDB
@@ -22,10 +23,10 @@ from flare.registry.refs import BadRef
 from flare.sign.errors import UntrustedError
 from flare.store.backends import normalize_location
 from flare.store.backends.filesystems import cache_window_s, filesystem_type, on_network_filesystem
-from flare.store.blobs import BlobStore, VerifyReport
+from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
 from flare.store.encoding import Encoding
-from flare.store.errors import FlareError, IntegrityError, InvalidInputError, NotFoundError
+from flare.store.reports import VerifyReport
 from flare.store.safetensors import FormatError
 
 if TYPE_CHECKING:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from flare.errors import IntegrityError
 from flare.registry.signatures import write_signature
-from flare.store.blobs import BlobStore, blob_key
+from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
 from flare.store.encoding import Encoding
-from flare.store.errors import IntegrityError
+from flare.store.layout import blob_key
 from flare.store.package import Manifest
 
 

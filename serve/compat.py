@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from flare import toolchain
-from flare.store.errors import FlareError
+from flare.errors import FlareError
 from flare.store.package import RUNTIME_ABI, Manifest
 
 MIN_REVISION_PREFIX = 7

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from flare.store.errors import IntegrityError
+from flare.errors import IntegrityError
 
 KERNEL_SUFFIXES = (".so",)
 AUTOTUNED = ".best_config"

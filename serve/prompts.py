@@ -23,9 +23,9 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from flare.errors import FlareError
 from flare.serve.errors import ApiError
 from flare.serve.runtime import Runtime
-from flare.store.errors import FlareError
 
 NFC_SHRINK = 4
 """At most this many characters compose into one under NFC: the longest canonical

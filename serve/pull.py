@@ -15,6 +15,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flare.errors import NoSpaceError
 from flare.registry.leases import hold_lease
 from flare.registry.registry import Registry
 from flare.serve.cache import HostCache
@@ -23,7 +24,6 @@ from flare.sign.policy import TrustPolicy
 from flare.sign.verify import Verdict, check_trusted
 from flare.store.blobs import PutResult
 from flare.store.digest import Digest
-from flare.store.errors import NoSpaceError
 from flare.store.hashing import Progress, parallel_map
 from flare.store.package import Manifest, check_sizes, decode_index
 from flare.store.safetensors import DTYPE_SIZES

@@ -23,6 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from torch import nn
 
+from flare.errors import InvalidInputError, NotFoundError
 from flare.serve import compilations, flashinfer_modules
 from flare.serve.artifacts import RuntimeArtifacts, StartReport, runtime_artifacts
 from flare.serve.compilations import Compilations
@@ -39,7 +40,6 @@ from flare.serve.inductor_archive import unpack
 from flare.serve.models import load_model, model_kind
 from flare.serve.models.files import PackageFiles, Quarantine
 from flare.serve.truncation import Truncation
-from flare.store.errors import InvalidInputError, NotFoundError
 from flare.store.package import Manifest
 
 __all__ = [

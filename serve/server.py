@@ -18,8 +18,8 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from flare.errors import FlareError
 from flare.serve.runtime import Runtime
-from flare.store.errors import FlareError
 
 DRAIN_TIMEOUT_S = 60
 """How long in-flight requests may take to finish after a stop signal; past it, uvicorn

@@ -15,11 +15,11 @@ from cryptography import x509
 from pydantic import ValidationError
 from sigstore_models.bundle.v1 import Bundle
 
+from flare.errors import InvalidInputError
 from flare.sign.errors import UntrustedError
 from flare.sign.keys import PrivateKey, fingerprint, public_pem, sign_bytes
 from flare.sign.statement import PAYLOAD_TYPE, Claim, read_claim, statement
 from flare.store.digest import Digest
-from flare.store.errors import InvalidInputError
 from flare.store.package import Manifest
 
 BUNDLE_MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json"

@@ -3,7 +3,7 @@ untrusted package (11) from a corrupt (6) or missing (3) one."""
 
 from __future__ import annotations
 
-from flare.store.errors import FlareError
+from flare.errors import FlareError
 
 
 class UntrustedError(FlareError):

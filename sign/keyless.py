@@ -20,10 +20,10 @@ from sigstore.sign import SigningContext
 from sigstore.verify import Verifier
 from sigstore.verify.policy import Identity
 
+from flare.errors import FlareError, InvalidInputError
 from flare.sign.errors import UntrustedError
 from flare.sign.statement import statement
 from flare.store.digest import Digest
-from flare.store.errors import FlareError, InvalidInputError
 from flare.store.package import Manifest
 
 

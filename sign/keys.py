@@ -17,8 +17,9 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from flare.store.backends.local import fsync_dir, publish_no_clobber, temp_name
-from flare.store.errors import FlareError, InvalidInputError, NotFoundError, from_os_error
+from flare.atomic import fsync_dir, temp_name
+from flare.errors import FlareError, InvalidInputError, NotFoundError, from_os_error
+from flare.store.backends.local import publish_no_clobber
 
 PrivateKey = ed25519.Ed25519PrivateKey | ec.EllipticCurvePrivateKey
 PublicKey = ed25519.Ed25519PublicKey | ec.EllipticCurvePublicKey

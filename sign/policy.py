@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from flare.store.backends.local import write_file_atomic
-from flare.store.errors import FlareError, InvalidInputError, NotFoundError
+from flare.atomic import write_file_atomic
+from flare.errors import FlareError, InvalidInputError, NotFoundError
 from flare.store.names import check_name
 
 if TYPE_CHECKING:  # cryptography: loaded by the functions that read keys, not by importers

@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from flare.errors import InvalidInputError
 from flare.store.digest import Digest
-from flare.store.errors import InvalidInputError
 from flare.store.package import Manifest, canonical_json
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"

@@ -11,13 +11,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from flare.errors import InvalidInputError
 from flare.sign.envelope import Signed, pae, read_bundle
 from flare.sign.errors import UntrustedError
 from flare.sign.keys import PublicKey, fingerprint, load_public_key, signature_valid
 from flare.sign.policy import TrustPolicy
 from flare.sign.statement import PAYLOAD_TYPE
 from flare.store.digest import Digest
-from flare.store.errors import InvalidInputError
 from flare.store.hashing import hash_bytes
 from flare.store.package import Manifest, encode_index
 

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import io
 import os
-import queue
-import re
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from flare.errors import IntegrityError, InvalidInputError, NotFoundError, from_os_error
 from flare.store.backends import Backend, StoredFile, TempFile, open_backend
 from flare.store.backends.base import TMP_DIR
-from flare.store.digest import HEX_LENGTH, Digest, parse_prefix, resolve_prefix
+from flare.store.copying import COPY_CHUNK, copy_hashing, hash_stream
+from flare.store.digest import Digest, parse_prefix, resolve_prefix
 from flare.store.encoding import (
     VERIFY_HINT,
     BoundedZstdReader,
@@ -29,13 +28,6 @@ from flare.store.encoding import (
     zstd_plain_size,
     zstd_writer,
 )
-from flare.store.errors import (
-    FlareError,
-    IntegrityError,
-    InvalidInputError,
-    NotFoundError,
-    from_os_error,
-)
 from flare.store.hashing import (
     FileState,
     Progress,
@@ -43,23 +35,24 @@ from flare.store.hashing import (
     hash_bytes,
     hash_file,
     hash_file_state,
-    new_hasher,
     parallel_map,
 )
-from flare.store.splice import Piece, PiecesReader, pieces_size, splice_hashing
-
-BLOB_DIR = "blobs/blake3"
-_BLOB_FILE = re.compile(rf"([0-9a-f]{{{HEX_LENGTH}}})({re.escape(Encoding.ZSTD.suffix)})?")
-QUARANTINE_DIR = "quarantine"
-_QUARANTINED = re.compile(
-    rf"([0-9a-f]{{{HEX_LENGTH}}})({re.escape(Encoding.ZSTD.suffix)})?\.[0-9]+"
+from flare.store.layout import (
+    BLOB_DIR,
+    QUARANTINE_DIR,
+    TRASH_DIR,
+    blob_key,
+    parse_blob_key,
+    parse_quarantined,
+    quarantine_key,
 )
-TRASH_DIR = "trash"
-"""Where gc's sweep moves blobs before it deletes them (store/trash.py)."""
+from flare.store.reports import StoreUsage, VerifyReport
+from flare.store.splice import Piece, PiecesReader, pieces_size, splice_hashing
+from flare.store.trees import list_tree
+
 CONFIRM_AFTER_S = 5.0
 """On a network filesystem, a blob that read wrong twice is read once more this much later
 before verify calls it corrupt: long enough for a client's stale read to pass."""
-COPY_CHUNK = 16 << 20
 LARGE_BLOB = 64 << 20
 """Blobs this large are hashed one at a time, each on all threads (as b3sum does)."""
 
@@ -81,158 +74,6 @@ class BlobInfo:
     digest: Digest
     encoding: Encoding
     stored_size: int
-
-
-@dataclass
-class VerifyReport:
-    """The outcome of re-hashing blobs."""
-
-    checked: int = 0
-    checked_bytes: int = 0
-    corrupt: list[Digest] = field(default_factory=list)
-    missing: list[Digest] = field(default_factory=list)
-    quarantined: list[str] = field(default_factory=list)
-    """Where each corrupt blob went (empty with dry_run: nothing moves)."""
-    reread: list[Digest] = field(default_factory=list)
-    """Blobs whose first read hashed wrong but whose bytes as stored hash right (a stale or
-    torn read through a client's cache): intact, left in place, reported."""
-    restored: list[str] = field(default_factory=list)
-    """Quarantined files that hash right now, put back under their blob names."""
-    stray: list[str] = field(default_factory=list)
-    """Files under blobs/ whose names are not blob names (left in place, reported)."""
-    dry_run: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not (self.corrupt or self.missing)
-
-
-@dataclass(frozen=True)
-class StoreUsage:
-    """What a store holds, in bytes as kept on disk."""
-
-    blobs: int
-    stored_bytes: int
-    temp_bytes: int
-    quarantine_bytes: int
-    trash_bytes: int
-    free_bytes: int | None
-
-
-def blob_key(digest: Digest, encoding: Encoding) -> str:
-    """Where a blob lives under the store root."""
-    return f"{BLOB_DIR}/{digest.hex[:2]}/{digest.hex}{encoding.suffix}"
-
-
-def parse_blob_key(key: str) -> tuple[Digest, Encoding] | None:
-    """The digest and encoding a blob file name stands for, or None for a stray file."""
-    parsed = blob_name(key)
-    return None if parsed is None else (Digest.from_checked_hex(parsed[0]), parsed[1])
-
-
-def blob_name(key: str) -> tuple[str, Encoding] | None:
-    """The hex digest and encoding of a blob file name, as strings (gc compares 100,000s)."""
-    parts = key.split("/")
-    if len(parts) != 4 or parts[0] != "blobs" or parts[1] != "blake3":
-        return None
-    return blob_file(parts[2], parts[3])
-
-
-def blob_file(folder: str, name: str) -> tuple[str, Encoding] | None:
-    """The hex digest and encoding of a file `name` in the fan-out folder `folder`, or None
-    for a stray file (one regex: gc's sweep parses every unreachable blob's name)."""
-    match = _BLOB_FILE.fullmatch(name)
-    if match is None or not match[1].startswith(folder) or len(folder) != 2:
-        return None
-    return match[1], Encoding.ZSTD if match[2] else Encoding.PLAIN
-
-
-def copy_hashing(
-    source: BinaryIO, sink: BinaryIO, progress: Progress | None, limit: int | None = None
-) -> tuple[str, int]:
-    """Copy a stream to a sink, hashing it on the way: one pass over the bytes.
-
-    A writer thread writes each chunk while the next is read and hashed (single-threaded:
-    the other core is writing), so a durable put costs about what `cp` and `sync` do. With a
-    limit, copies at most that many bytes and reads one more to tell whether the source held
-    more: a growing file never keeps the copy going.
-    """
-    hasher = new_hasher(1)
-    if limit is not None and limit <= COPY_CHUNK:
-        data = source.read(limit) or b""
-        hasher.update(data)
-        sink.write(data)
-        if progress and data:
-            progress(len(data))
-        extra = len(source.read(1) or b"") if len(data) == limit else 0
-        return hasher.hexdigest(), len(data) + extra
-    with _ChunkWriter(sink) as writer:
-        total = 0
-        while limit is None or total < limit:
-            chunk = writer.free_buffer()
-            want = COPY_CHUNK if limit is None else min(COPY_CHUNK, limit - total)
-            read = source.readinto(chunk[:want])  # type: ignore[attr-defined]
-            if not read:
-                writer.give_back(chunk)
-                break
-            hasher.update(chunk[:read])
-            writer.write(chunk, read)
-            total += read
-            if progress:
-                progress(read)
-    if limit is not None and total == limit and source.read(1):
-        total += 1
-    return hasher.hexdigest(), total
-
-
-class _ChunkWriter:
-    """Writes chunks on a thread of its own, from a small ring of reusable buffers."""
-
-    DEPTH = 3
-
-    def __init__(self, sink: BinaryIO) -> None:
-        self._sink = sink
-        self._free: queue.Queue[memoryview] = queue.Queue()
-        self._allocated = 0
-        self._full: queue.Queue[tuple[memoryview, int] | None] = queue.Queue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="blob-writer", daemon=True)
-
-    def __enter__(self) -> _ChunkWriter:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._full.put(None)
-        self._thread.join()
-        if self._error is not None and exc_info[0] is None:
-            raise self._error
-
-    def free_buffer(self) -> memoryview:
-        """A buffer to read into; raises the writer's error as soon as there is one."""
-        if self._free.empty() and self._allocated < self.DEPTH:
-            self._allocated += 1
-            return memoryview(bytearray(COPY_CHUNK))
-        buffer = self._free.get()
-        if self._error is not None:
-            raise self._error
-        return buffer
-
-    def give_back(self, buffer: memoryview) -> None:
-        self._free.put(buffer)
-
-    def write(self, buffer: memoryview, length: int) -> None:
-        self._full.put((buffer, length))
-
-    def _run(self) -> None:
-        while (item := self._full.get()) is not None:
-            buffer, length = item
-            if self._error is None:
-                try:
-                    self._sink.write(buffer[:length])
-                except BaseException as exc:  # handed to the reading thread
-                    self._error = exc
-            self._free.put(buffer)
 
 
 class BlobStore:
@@ -653,8 +494,7 @@ class BlobStore:
                 return hash_file(local, progress=progress)[0] == info.digest
             raw = self.backend.open_uncached(key) if uncached else self.backend.open_read(key)
             with self._plain_reader(info, raw) as reader:
-                hex_digest, _ = copy_hashing(reader, _NullSink(), progress)  # type: ignore[arg-type]
-            return hex_digest == info.digest.hex
+                return hash_stream(reader, progress) == info.digest.hex
         except IntegrityError:
             return False
         except NotFoundError:
@@ -662,7 +502,7 @@ class BlobStore:
 
     def _quarantine(self, info: BlobInfo) -> str:
         key = blob_key(info.digest, info.encoding)
-        dest = f"{QUARANTINE_DIR}/{info.digest.hex}{info.encoding.suffix}.{time.time_ns()}"
+        dest = quarantine_key(info.digest, info.encoding)
         self.backend.move(key, dest)
         return dest
 
@@ -674,11 +514,11 @@ class BlobStore:
         restored = []
         for stored in list(self.backend.iter_files(QUARANTINE_DIR)):
             name = stored.key.rsplit("/", 1)[-1]
-            match = _QUARANTINED.fullmatch(name)
-            if match is None:
+            parsed = parse_quarantined(name)
+            if parsed is None:
                 continue  # not a file verify put there
-            encoding = Encoding.ZSTD if match[2] else Encoding.PLAIN
-            info = BlobInfo(Digest.from_checked_hex(match[1]), encoding, stored.size)
+            digest, encoding = parsed
+            info = BlobInfo(digest, encoding, stored.size)
             if not self._hashes_right(stored.key, info):
                 continue
             if self.backend.move_no_clobber(stored.key, blob_key(info.digest, encoding)):
@@ -691,10 +531,9 @@ class BlobStore:
         """Whether the file at key holds the blob's bytes, read past this host's caches."""
         try:
             with self._plain_reader(info, self.backend.open_uncached(key)) as reader:
-                hex_digest, _ = copy_hashing(reader, _NullSink(), None)  # type: ignore[arg-type]
+                return hash_stream(reader, None) == info.digest.hex
         except (IntegrityError, NotFoundError):
             return False
-        return hex_digest == info.digest.hex
 
     def sweep_temps(self, stale_after_s: float | None = None) -> list[str]:
         """Remove temp files that dead writers left behind (never a live writer's)."""
@@ -722,29 +561,5 @@ class BlobStore:
         )
 
 
-class _NullSink:
-    """A sink that discards what it is given: hashing without keeping the bytes."""
-
-    def write(self, data: bytes | memoryview) -> int:
-        return len(data)
-
-
 def _total(files: Iterable[StoredFile]) -> int:
     return sum(f.size for f in files)
-
-
-def list_tree(root: Path) -> list[str]:
-    """Every regular file under a folder (following links), as sorted relative POSIX paths."""
-    if not root.is_dir():
-        if not root.exists():
-            raise NotFoundError(f"no such folder: {root}", "check the path")
-        raise FlareError(f"not a folder: {root}", "pass a folder, or the file itself")
-    found = []
-    for dirpath, _dirs, files in os.walk(root, followlinks=True, onerror=_raise_walk_error):
-        rel = Path(dirpath).relative_to(root)
-        found.extend((rel / name).as_posix() for name in files)
-    return sorted(found)
-
-
-def _raise_walk_error(exc: OSError) -> None:
-    raise from_os_error(exc, "list", exc.filename)

@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from flare.store.errors import AmbiguousError, InvalidInputError, NotFoundError
+from flare.errors import AmbiguousError, InvalidInputError, NotFoundError
 
 ALGORITHM = "blake3"
 HEX_LENGTH = 64

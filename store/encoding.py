@@ -13,7 +13,7 @@ from typing import BinaryIO
 
 import zstandard
 
-from flare.store.errors import IntegrityError, InvalidInputError
+from flare.errors import IntegrityError, InvalidInputError
 
 ZSTD_HEADER_MAX = 18
 VERIFY_HINT = "run `flare store verify` to quarantine it"

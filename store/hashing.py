@@ -16,8 +16,8 @@ from typing import TypeVar
 
 from blake3 import blake3
 
+from flare.errors import IntegrityError, from_os_error
 from flare.store.digest import Digest
-from flare.store.errors import IntegrityError, from_os_error
 
 Progress = Callable[[int], None]
 """Called with the number of bytes just processed."""

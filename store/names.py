@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from flare.store.errors import InvalidInputError
+from flare.errors import InvalidInputError
 
 _ALL_HEX = re.compile(r"[0-9a-f]{8,}")
 """Names that would read as a digest prefix."""

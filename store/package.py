@@ -24,8 +24,8 @@ from pydantic import (
 )
 
 from flare import __version__
+from flare.errors import InvalidInputError
 from flare.store.digest import Digest
-from flare.store.errors import InvalidInputError
 from flare.store.names import check_name
 from flare.store.safetensors import (
     DTYPE_SIZES,

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from flare.store.errors import IntegrityError
+from flare.errors import IntegrityError
 
 MAX_HEADER = 100 << 20
 MANIFEST_KEY = "flare.manifest"

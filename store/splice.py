@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 from blake3 import blake3
 
-from flare.store.backends.local import start_writeback
-from flare.store.errors import FlareError, from_os_error
+from flare.errors import FlareError, from_os_error
+from flare.store.backends.direct import start_writeback
 from flare.store.hashing import Progress, new_hasher
 
 SPAN = 16 << 20

@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 
-from flare.store.blobs import BLOB_DIR, BlobStore, blob_file
+from flare.store.blobs import BlobStore
 from flare.store.encoding import Encoding
+from flare.store.layout import BLOB_DIR, blob_file
 
 Reached = Callable[[str], list[list[str]]]
 """The hex digests the mark reached in one fan-out folder, as lists (one per marks file)."""

@@ -22,10 +22,11 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from flare.store.blobs import TRASH_DIR, BlobStore, blob_key
+from flare.errors import NotFoundError, from_os_error
+from flare.store.blobs import BlobStore
 from flare.store.digest import HEX_LENGTH, Digest
 from flare.store.encoding import Encoding
-from flare.store.errors import NotFoundError, from_os_error
+from flare.store.layout import TRASH_DIR, blob_key
 
 _ENTRY = re.compile(
     rf"([0-9a-f]{{{HEX_LENGTH}}})({re.escape(Encoding.ZSTD.suffix)})?\.([0-9]+)\.([0-9]+)"

@@ -7,9 +7,9 @@ import importlib.util
 import pytest
 import torch
 
+from flare.errors import InvalidInputError
 from flare.serve.engine.attention import AttentionMetadata, AttentionSpec, TorchPagedAttention
 from flare.serve.engine.attention_choice import ATTENTION_KINDS, flashinfer_unfit, make_attention
-from flare.store.errors import InvalidInputError
 
 SPEC = AttentionSpec(num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128, scale=128**-0.5)
 BLOCK = 16
@@ -111,6 +111,6 @@ def test_flashinfer_attends_as_the_reference_does_over_steps() -> None:
 
 
 def test_the_cli_offers_exactly_the_backends_the_engine_knows() -> None:
-    from flare.cli import Attention
+    from flare.serve.commands import Attention
 
     assert sorted(a.value for a in Attention) == sorted(ATTENTION_KINDS)

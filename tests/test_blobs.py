@@ -18,9 +18,9 @@ import pytest
 from blake3 import blake3
 from helpers import write_random
 
+from flare.errors import FlareError, IntegrityError, NotFoundError
 from flare.store import BlobStore, Digest, Encoding
-from flare.store.blobs import blob_key
-from flare.store.errors import FlareError, IntegrityError, NotFoundError
+from flare.store.layout import blob_key
 from flare.store.splice import FileRuns
 from flare.store.sweep import Reached, unmarked
 

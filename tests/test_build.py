@@ -17,10 +17,10 @@ from checkpoints import make_llama
 from safetensors.torch import load, load_file
 
 from flare.build.pipeline import Build, BuildRequest, PhaseReport
+from flare.errors import InvalidInputError, NotFoundError
 from flare.registry.refs import read_manifest, resolve_package
 from flare.registry.registry import Registry
 from flare.store import BlobStore, Digest
-from flare.store.errors import InvalidInputError, NotFoundError
 from flare.store.package import Manifest
 from flare.store.safetensors import FormatError
 

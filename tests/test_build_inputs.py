@@ -18,8 +18,8 @@ from checkpoints import make_llama
 from test_build import build
 
 from flare.build.recipes import RECIPES
+from flare.errors import InvalidInputError
 from flare.model_sizes import LAYOUTS, check_sizes, manifest_shapes
-from flare.store.errors import InvalidInputError
 from flare.store.safetensors import FormatError
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -27,6 +27,7 @@ import torch
 from checkpoints import make_llama
 
 from flare.build.target import decode_batch_sizes
+from flare.errors import IntegrityError
 from flare.registry.refs import read_manifest, tag_package
 from flare.serve.compilations import Compilations
 from flare.serve.flashinfer_modules import WORKSPACE, collect
@@ -34,7 +35,6 @@ from flare.serve.inductor_archive import pack, unpack
 from flare.serve.runtime import GenerateRuntime, SamplingParams, load_runtime
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
-from flare.store.errors import IntegrityError
 from flare.store.package import (
     MANIFEST_KEY,
     Manifest,

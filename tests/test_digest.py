@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from blake3 import blake3
 
+from flare.errors import AmbiguousError, InvalidInputError, NotFoundError
 from flare.store.digest import Digest, parse_prefix, resolve_prefix
-from flare.store.errors import AmbiguousError, InvalidInputError, NotFoundError
 from flare.store.hashing import hash_bytes
 
 HEX = blake3(b"flare").hexdigest()

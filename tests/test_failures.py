@@ -10,8 +10,8 @@ import pytest
 from conftest import mount_tmpfs
 from helpers import write_random
 
+from flare.errors import IntegrityError, NoSpaceError, PermissionDeniedError
 from flare.store import BlobStore
-from flare.store.errors import IntegrityError, NoSpaceError, PermissionDeniedError
 
 
 def test_disk_full_during_put_leaves_no_blob_and_no_temp(small_fs: Path, tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import pytest
 from blake3 import blake3
 from helpers import hash_files, write_random
 
-from flare.store.errors import IntegrityError
+from flare.errors import IntegrityError
 from flare.store.hashing import MMAP_SLICE, hash_file
 
 

@@ -298,8 +298,8 @@ def test_a_rotten_file_outside_a_cache_is_refused_and_left_in_place(
     host: Host, tmp_path: Path
 ) -> None:
     """load_runtime on plain files (no host cache to quarantine into) says which file."""
+    from flare.errors import IntegrityError
     from flare.serve.runtime import load_runtime
-    from flare.store.errors import IntegrityError
 
     digest = json.loads(host.run("registry", "show", "tiny", "--json").stdout)["digest"]
     manifest = decode_index(host.registry_blob(digest).read_bytes(), "index")

@@ -353,7 +353,7 @@ def test_verify_through_sshfs_moves_a_blob_only_when_the_server_holds_bad_bytes(
     from test_netfs_verify import StaleReads
 
     from flare.store import BlobStore
-    from flare.store.blobs import blob_key
+    from flare.store.layout import blob_key
 
     folder = share.mounts[0] / f"store-{tmp_path.name}"
     store = BlobStore(folder)

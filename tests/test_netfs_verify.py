@@ -14,8 +14,9 @@ import pytest
 from conftest import RunFlare
 
 from flare.store import BlobStore, Digest, Encoding
-from flare.store.backends.local import LocalBackend, open_uncached
-from flare.store.blobs import QUARANTINE_DIR, blob_key
+from flare.store.backends.direct import open_uncached
+from flare.store.backends.local import LocalBackend
+from flare.store.layout import QUARANTINE_DIR, blob_key
 
 CORRUPT_EXIT = 6
 

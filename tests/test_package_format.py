@@ -21,7 +21,7 @@ import torch
 from blake3 import blake3
 from safetensors import safe_open
 
-from flare.store.errors import FlareError, IntegrityError, InvalidInputError
+from flare.errors import FlareError, IntegrityError, InvalidInputError
 from flare.store.package import (
     FORMAT_VERSION,
     MANIFEST_KEY,

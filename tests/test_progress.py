@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from checkpoints import make_synthetic_llama
 from conftest import RunFlare
-
-from flare.build.tiny import make_synthetic_llama
 
 SIZE = r"\d[\d.]* (?:[kMG]?B|bytes)"
 LINE = rf"{{name}}: {SIZE} of {SIZE} \(\d+%\), {SIZE}/s"

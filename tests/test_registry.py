@@ -10,15 +10,15 @@ import pytest
 from registry_helpers import BACKENDS, build_into, database, tiny_sources
 from sqlalchemy import inspect, text
 
+from flare.errors import AmbiguousError, IntegrityError, InvalidInputError, NotFoundError
 from flare.registry import refs
 from flare.registry.database import UnusableIndexError
 from flare.registry.gc import collect
 from flare.registry.leases import hold_lease
 from flare.registry.registry import PinnedError, Registry
 from flare.store import Digest
-from flare.store.blobs import blob_key
-from flare.store.errors import AmbiguousError, IntegrityError, InvalidInputError, NotFoundError
 from flare.store.hashing import hash_bytes
+from flare.store.layout import blob_key
 
 
 @pytest.fixture(scope="module")

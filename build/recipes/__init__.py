@@ -8,7 +8,7 @@ from typing import Any
 from flare.build.recipes.base import Recipe
 from flare.build.recipes.bert import BertRecipe
 from flare.build.recipes.llama import LlamaRecipe
-from flare.store.errors import InvalidInputError
+from flare.errors import InvalidInputError
 
 RECIPES: tuple[Recipe, ...] = (LlamaRecipe(), BertRecipe())
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flare.build.checkpoint import SourceTensor
-from flare.store.errors import InvalidInputError
+from flare.errors import InvalidInputError
 from flare.store.safetensors import FormatError
 
 ARTIFACT_KINDS = {

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from flare.build.recipes.base import ARTIFACT_KINDS, Expected
+from flare.errors import InvalidInputError
 from flare.model_sizes import read_sizes
-from flare.store.errors import InvalidInputError
 
 SENTENCE_TRANSFORMERS_FILES = (
     "modules.json",

@@ -11,9 +11,9 @@ import importlib.util
 
 import torch
 
+from flare.errors import InvalidInputError
 from flare.serve.engine.attention import AttentionBackend, AttentionSpec, TorchPagedAttention
 from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention
-from flare.store.errors import InvalidInputError
 
 ATTENTION_KINDS = ("auto", "torch", "flashinfer")
 FLASHINFER_HEAD_DIMS = (64, 128, 256)

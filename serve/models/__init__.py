@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from flare.errors import FlareError, InvalidInputError
 from flare.model_sizes import LAYOUTS, check_sizes, manifest_shapes
 from flare.serve.models.bert import BertEmbedder, Pooling
 from flare.serve.models.files import PackageFiles
 from flare.serve.models.llama import LlamaForCausalLM
-from flare.store.errors import FlareError, InvalidInputError
 
 
 def _llama(files: PackageFiles) -> nn.Module:

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flare.errors import InvalidInputError
 from flare.serve.models.files import load_by_name
-from flare.store.errors import InvalidInputError
 
 
 @dataclass(frozen=True)

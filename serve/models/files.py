@@ -25,8 +25,8 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
+from flare.errors import IntegrityError, InvalidInputError, NotFoundError, from_os_error
 from flare.store.digest import Digest
-from flare.store.errors import IntegrityError, InvalidInputError, NotFoundError, from_os_error
 from flare.store.hashing import hash_bytes
 from flare.store.package import MALFORMED_HINT, Manifest, Part, check_payload, check_size
 from flare.store.safetensors import FormatError, Header, TensorEntry, read_header

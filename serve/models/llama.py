@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flare.errors import InvalidInputError
 from flare.serve.engine.attention import AttentionBackend, AttentionSpec
 from flare.serve.models.files import load_by_name
-from flare.store.errors import InvalidInputError
 
 MAX_CONTEXT = 131072
 """Cap on the advertised context when a config claims more."""

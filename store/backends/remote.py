@@ -14,10 +14,10 @@ from typing import Any, BinaryIO
 
 import fsspec
 
+from flare.atomic import temp_name
+from flare.errors import FlareError, InvalidInputError, from_os_error
 from flare.extras import install_hint
 from flare.store.backends.base import TMP_DIR, StoredFile, TempFile
-from flare.store.backends.local import temp_name
-from flare.store.errors import FlareError, InvalidInputError, from_os_error
 
 
 class FsspecBackend:

@@ -72,10 +72,10 @@ from flare.registry import gc, refs
 from flare.registry.marks import Marked
 from flare.registry.registry import Registry, default_database
 from flare.store.backends.local import MAX_SWEEP_PROCESSES
-from flare.store.blobs import BLOB_DIR, blob_key
 from flare.store.digest import Digest
 from flare.store.encoding import Encoding
 from flare.store.hashing import hash_bytes, hash_file
+from flare.store.layout import BLOB_DIR, blob_key
 from flare.store.package import (
     FORMAT_VERSION,
     RUNTIME_ABI,
@@ -458,23 +458,25 @@ def explain_ls(registry: Registry, env: dict[str, str], startup: Timing) -> list
 
 LS_STEPS = (
     "import flare.cli",
-    "cli.open_registry(): config, engine, migrate check",
+    "open_registry(): config, engine, migrate check",
     "Registry.listings()",
     "vars() of every Listing (as the CLI does)",
-    "cli.print_json() (json.dumps + rich Console.out)",
+    "print_json() (json.dumps + rich Console.out)",
 )
 LS_SNIPPET = """
 import json, os, sys, time
 marks = [time.perf_counter()]
 from flare import cli
+from flare.cli_common import print_json
+from flare.registry.commands import open_registry
 marks.append(time.perf_counter())
-registry = cli.open_registry()
+registry = open_registry()
 marks.append(time.perf_counter())
 rows = registry.listings()
 marks.append(time.perf_counter())
 dicts = [vars(r) for r in rows]
 marks.append(time.perf_counter())
-cli.print_json(dicts)
+print_json(dicts)
 marks.append(time.perf_counter())
 with open(sys.argv[1], "w") as report:
     json.dump([b - a for a, b in zip(marks, marks[1:])], report)

@@ -1,7 +1,7 @@
 """Errors every flare component raises, each with an exit code a script can tell apart.
 
-They live in `store/` because it is the bottom of the dependency graph: every other
-component may import it, and it imports nothing of flare.
+A shared module at the top of the package: every component, from store/ up to the
+commands, raises these, and it imports nothing of flare.
 """
 
 from __future__ import annotations

@@ -1,0 +1,189 @@
+"""`flare pull` and `flare serve`: their options, the body limits taken from options or
+settings, and the ready line.
+
+Top-level commands, not a group: cli.py registers them on the root app. What they do is in
+serve/launch.py, imported inside the commands: it loads the signature checks, and serving
+loads torch, neither of which a listing command should pay for."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from enum import StrEnum
+from typing import TYPE_CHECKING, Annotated, TypeVar
+
+import typer
+from rich.filesize import decimal
+
+from flare.cli_common import AcceptOption, JsonOption, RegistryOption, print_done
+from flare.config import load_config, parse_body_size, parse_timeout
+from flare.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from flare.serve.limits import BodyLimits
+    from flare.serve.pull import PullPlan
+    from flare.serve.runtime import Runtime
+
+Parsed = TypeVar("Parsed")
+
+DeviceOption = Annotated[
+    str | None, typer.Option("--device", help="cpu or cuda (default: CUDA where a GPU is).")
+]
+RevisionOption = Annotated[
+    str | None,
+    typer.Option("--revision", help="Refuse the package unless built from this model revision."),
+]
+
+
+class Attention(StrEnum):
+    """`flare serve --attention`: the names make_attention takes (ATTENTION_KINDS; listed
+    here again because importing the engine would load torch for every command)."""
+
+    AUTO = "auto"
+    FLASHINFER = "flashinfer"
+    TORCH = "torch"
+
+
+def pull_command(
+    ref: Annotated[str, typer.Argument(help="The package: NAME, NAME:TAG or NAME@DIGEST.")],
+    registry: RegistryOption = None,
+    device: DeviceOption = None,
+    revision: RevisionOption = None,
+    accept: AcceptOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Pull a package into this host's cache: checked before any weight byte moves."""
+    from flare.serve.launch import pull_into_cache
+
+    _source, cache, report = pull_into_cache(ref, registry, device, revision, accept)
+    plan = report.plan
+    data = {
+        "name": plan.name,
+        "digest": str(plan.digest),
+        "publisher": plan.verdict.publisher,
+        "signer": plan.verdict.signer,
+        "cache": str(cache.root),
+        "blobs": report.methods,
+        "bytes": report.bytes,
+    }
+    methods = ", ".join(f"{n} {m}" for m, n in sorted(report.methods.items())) or "all present"
+    print_done(
+        as_json,
+        data,
+        f"pulled {plan.name or ''}@{plan.digest} into {cache.root}: {methods}, "
+        f"{decimal(report.bytes)}; signed by {plan.verdict.publisher} ({plan.verdict.signer})",
+    )
+
+
+def serve_command(
+    ref: Annotated[str, typer.Argument(help="The package: NAME, NAME:TAG or NAME@DIGEST.")],
+    registry: RegistryOption = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8000,
+    device: DeviceOption = None,
+    revision: RevisionOption = None,
+    accept: AcceptOption = None,
+    compile_on_start: Annotated[
+        bool,
+        typer.Option(
+            "--compile-on-start",
+            help="Compile the forward at start (the package's compiled artifacts, if any, are "
+            "not used, so they need not match this host).",
+        ),
+    ] = False,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="FLARE_API_KEY", help="Require `Authorization: Bearer KEY`."),
+    ] = None,
+    kv_cache_tokens: Annotated[
+        int | None, typer.Option(min=16, help="KV cache size in tokens (default: by memory).")
+    ] = None,
+    attention: Annotated[
+        Attention,
+        typer.Option(
+            help="Attention kernels: flashinfer (CUDA), torch, or auto (FlashInfer where it "
+            "can run)."
+        ),
+    ] = Attention.AUTO,
+    max_body_size: Annotated[
+        str | None,
+        typer.Option(
+            help="Largest request body taken, e.g. 4M; 413 past it (default: serve.max_body_size)."
+        ),
+    ] = None,
+    body_timeout: Annotated[
+        str | None,
+        typer.Option(
+            help="Time a request body may take to arrive, e.g. 30s; 408 past it (default: "
+            "serve.body_timeout)."
+        ),
+    ] = None,
+) -> None:
+    """Pull, verify and check a package, then serve it behind an OpenAI-compatible API."""
+    from flare.serve.launch import load_package_app, pull_into_cache, require_serve_extra
+
+    require_serve_extra()
+    limits = _body_limits(max_body_size, body_timeout)
+    from flare.registry.leases import hold_lease
+    from flare.serve.server import listen, run_server
+
+    sock = listen(host, port)
+    times = {"start": time.perf_counter()}
+    source, cache, report = pull_into_cache(
+        ref, registry, device, revision, accept, compile_on_start
+    )
+    plan = report.plan
+    times["pulled"] = time.perf_counter()
+    with hold_lease(source.store, "serve", packages=[plan.digest]):
+        runtime, app = load_package_app(
+            source,
+            cache,
+            plan,
+            kv_cache_tokens,
+            api_key,
+            attention.value,
+            limits,
+            "start" if compile_on_start else "package",
+        )
+        times["loaded"] = time.perf_counter()
+        run_server(app, runtime, sock, _say_ready(plan, runtime, times))
+
+
+def _body_limits(max_body_size: str | None, body_timeout: str | None) -> BodyLimits:
+    """The options, else the serve.* settings."""
+    from flare.serve.limits import BodyLimits
+
+    config = load_config()
+    return BodyLimits(
+        _option("--max-body-size", max_body_size, parse_body_size, config["serve.max_body_size"]),
+        _option("--body-timeout", body_timeout, parse_timeout, config["serve.body_timeout"]),
+    )
+
+
+def _option(
+    name: str, given: str | None, parse: Callable[[str], Parsed], default: Parsed
+) -> Parsed:
+    """An option's value parsed, or the default; a bad value names the option."""
+    if given is None:
+        return default
+    try:
+        return parse(given)
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{name}: {exc.what}", exc.hint) from exc
+
+
+def _say_ready(plan: PullPlan, runtime: Runtime, times: dict[str, float]) -> Callable[[str], None]:
+    """The ready line: where, start-to-ready and its parts, how the forward runs."""
+
+    def ready(url: str) -> None:
+        now = time.perf_counter()
+        timeline = runtime.start_report.timeline(
+            pull=times["pulled"] - times["start"],
+            load=times["loaded"] - times["pulled"],
+            total=now - times["start"],
+        )
+        sys.stdout.write(f"serving {plan.manifest.name}@{plan.digest} at {url} ({timeline})\n")
+        sys.stdout.flush()
+
+    return ready

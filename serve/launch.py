@@ -1,0 +1,167 @@
+"""From a reference to a running API, as `flare pull`, `flare serve` and `flare demo` do it:
+admission and the pull into the host cache (with a bar), the runtime loaded (with what it
+cost), the API app made; and the demo's one question to a server on loopback.
+
+torch, FastAPI, uvicorn and httpx are imported inside the functions, after
+`require_serve_extra` has said what to install where they are missing."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from rich.filesize import decimal
+
+from flare.cli_common import err, progress_bar
+from flare.config import load_config
+from flare.errors import FlareError
+from flare.extras import install_hint
+from flare.registry.commands import open_registry
+from flare.registry.registry import Registry
+from flare.serve.cache import HostCache
+from flare.serve.pull import PullPlan, PullReport
+from flare.sign import policy as trust
+from flare.sign.commands import warn_accepted
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from flare.serve.limits import BodyLimits
+    from flare.serve.runtime import Runtime
+
+
+def require_serve_extra() -> None:
+    """Pull and serve run models: without the serve extra, say how to get it."""
+    missing = [m for m in ("torch", "fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise FlareError(
+            f"flare pull and serve need {', '.join(missing)}, which are not installed",
+            install_hint("serve"),
+        )
+
+
+def pull_into_cache(
+    ref: str,
+    registry: str | None,
+    device: str | None,
+    revision: str | None,
+    accept: str | None,
+    compiles: bool = False,
+) -> tuple[Registry, HostCache, PullReport]:
+    """Admission (signature, compatibility, disk, memory), then the missing blobs, with a bar.
+    `compiles`: the server compiles at start, so compiled artifacts need not match this host.
+
+    Returns the source registry, the host cache and the pull report."""
+    require_serve_extra()
+    from flare.serve.compat import choose_device, detect_toolchain
+    from flare.serve.models import served_recipes
+    from flare.serve.pull import PullRequest, fetch, plan_pull
+    from flare.serve.runtime import kv_cache_reservation
+
+    config = load_config()
+    source = open_registry(registry)
+    cache = HostCache(config["paths.package_cache"])
+    chosen = choose_device(device)
+    request = PullRequest(
+        ref=ref,
+        host=detect_toolchain(chosen, served_recipes(), compiles),
+        policy=trust.load_policy(config),
+        reserve=config["memory.reserve"] + kv_cache_reservation(chosen),
+        revision=revision,
+        accept_publisher=accept,
+    )
+    plan = plan_pull(source, cache, request)
+    if plan.verdict.accepted_dangerously:
+        warn_accepted(plan.verdict)
+    with progress_bar("pull", sum(size for _, size in plan.admission.missing)) as advance:
+        report = fetch(source, cache, plan, progress=advance)
+    return source, cache, report
+
+
+def load_package_app(
+    source: Registry,
+    cache: HostCache,
+    plan: PullPlan,
+    kv_cache_tokens: int | None,
+    api_key: str | None,
+    attention: str = "auto",
+    limits: BodyLimits | None = None,
+    compile_mode: str = "package",
+) -> tuple[Runtime, FastAPI]:
+    """Load the pulled package on the device pull admitted it for (printing what it cost)
+    and make its API app."""
+    from flare.serve.api import ServedPackage, create_app
+    from flare.serve.runtime import load_runtime
+
+    started = time.perf_counter()
+    runtime = load_runtime(
+        plan.manifest,
+        cache.files(plan.manifest),
+        plan.device,
+        kv_cache_tokens,
+        memory_reserve=load_config()["memory.reserve"],
+        attention=attention,
+        quarantine=cache.quarantine_if_corrupt,
+        compile_mode=compile_mode,
+        compile_root=cache.root / "compiled",
+    )
+    weights = sum(p.size for p in plan.manifest.payloads)
+    kv = runtime.kv_stats()
+    kv_text = ""
+    if kv:  # a generating model
+        tokens = kv["blocks_total"] * kv["block_size"]
+        kv_text = f"; KV cache {tokens} tokens, {runtime.attention} attention"
+    err.print(
+        f"loaded {plan.manifest.name} ({decimal(weights)} of weights) on {plan.device} in "
+        f"{time.perf_counter() - started:.2f} s{kv_text}",
+        markup=False,
+    )
+    package = ServedPackage(
+        name=plan.manifest.name,
+        digest=str(plan.digest),
+        publisher=plan.verdict.publisher,
+        created=_created(source, plan),
+    )
+    return runtime, create_app(runtime, package, api_key, limits)
+
+
+def _created(source: Registry, plan: PullPlan) -> int:
+    """When the package was published under its name (0 if it has none)."""
+    from flare.registry.refs import read_record
+
+    record = read_record(source.store, plan.name, plan.digest) if plan.name else None
+    return int(datetime.fromisoformat(record.created).timestamp()) if record else 0
+
+
+def ask_served(ref: str, question: str) -> dict[str, Any]:
+    """Pull REF, serve it on a free loopback port, ask one chat question, stop the server."""
+    import httpx
+
+    from flare.registry.leases import hold_lease
+    from flare.serve.server import background_server
+
+    source, cache, pulled = pull_into_cache(ref, None, None, None, None)
+    runtime, api = load_package_app(source, cache, pulled.plan, None, None)
+    body = {
+        "model": pulled.plan.manifest.name,
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": 24,
+        "temperature": 0,
+    }
+    with (
+        hold_lease(source.store, "serve", packages=[pulled.plan.digest]),
+        background_server(api, runtime) as url,
+    ):
+        reply = httpx.post(f"{url}/chat/completions", json=body, timeout=120)
+    if reply.status_code != 200:
+        raise FlareError(f"the demo server answered {reply.status_code}: {reply.text}")
+    data = reply.json()
+    return {
+        "publisher": pulled.plan.verdict.publisher,
+        "url": url,
+        "question": question,
+        "answer": data["choices"][0]["message"]["content"],
+        "usage": data["usage"],
+    }
