@@ -42,284 +42,59 @@ The work happens in a fresh folder under --workdir (default /tmp), removed at th
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
 import platform
-import pstats
-import shutil
 import sqlite3
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tests' helpers
 
-from blake3 import blake3
-from checkpoints import make_synthetic_llama
 from common import flare_command, flare_env, scratch, timed
+from registry_gc import GC_BLOBS_PER_PACKAGE, GC_PACKAGES, bench_gc
+from registry_measure import (
+    GIB,
+    PROFILE_LINES,
+    VERSIONS,
+    Section,
+    Target,
+    Timing,
+    alternate,
+    git_state,
+    load,
+    log,
+    make_manifest,
+    no_fsync,
+    open_registry,
+    package_name,
+    process,
+    profile_top,
+    stages,
+    write_blob,
+)
+from registry_verify import bench_verify
 
-from flare.registry import gc, refs
-from flare.registry.marks import Marked
-from flare.registry.registry import Registry, default_database
-from flare.store.backends.local import MAX_SWEEP_PROCESSES
+from flare.registry import refs
+from flare.registry.registry import Registry
 from flare.store.digest import Digest
-from flare.store.encoding import Encoding
-from flare.store.hashing import hash_bytes, hash_file
-from flare.store.layout import BLOB_DIR, blob_key
 from flare.store.package import (
-    FORMAT_VERSION,
-    RUNTIME_ABI,
     Artifact,
-    Manifest,
-    Model,
-    Payload,
-    PayloadTensor,
-    Recipe,
-    SourceFile,
-    Toolchain,
     encode_index,
 )
-from flare.store.sweep import sweep_share, unmarked
 
-GIB = 1 << 30
 LS_TARGET_S = 0.5
-GC_TARGET = 2.0
-VERIFY_TARGET = 1.2
-VERSIONS = 4
-"""Packages per name, tagged v1..v4; the newest is also tagged `latest`."""
-MODELS = 50
 PIN_EVERY = 100
 SHARED_PAYLOADS = 3
 SHARED_PAYLOAD_BYTES = 4096
-GC_PACKAGES = 5
-GC_BLOBS_PER_PACKAGE = 20
-BIG = "big"
-PROFILE_LINES = 8
-
-
-# -- results ------------------------------------------------------------------------------
-
-
-@dataclass
-class Timing:
-    """One timed case: its label and the seconds of each timed run."""
-
-    label: str
-    runs: list[float] = field(default_factory=list)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.runs)
-
-    def summary(self) -> str:
-        """'median (min-max)' in seconds."""
-        return f"{self.median:7.3f} ({min(self.runs):.3f}-{max(self.runs):.3f})"
-
-
-@dataclass
-class Target:
-    """A case against a limit: in seconds (no baseline), or as a ratio to a baseline."""
-
-    name: str
-    subject: Timing
-    limit: float
-    baseline: Timing | None = None
-
-    @property
-    def value(self) -> float:
-        if self.baseline is None:
-            return self.subject.median
-        return self.subject.median / self.baseline.median
-
-    def verdict(self) -> str:
-        return "PASS" if self.value <= self.limit else "MISS"
-
-    def describe(self) -> str:
-        """The measured figure against the limit, with the verdict."""
-        if self.baseline is None:
-            figure = f"{self.value:.3f} s vs {self.limit} s ({self.value / self.limit:.2f}x)"
-        else:
-            figure = f"{self.value:.2f}x {self.baseline.label} (limit {self.limit}x)"
-        return f"{self.verdict()}  {self.name}: {figure}"
-
-
-@dataclass
-class Section:
-    """One part of the benchmark: what it set up, its timings, targets and diagnostics."""
-
-    title: str
-    notes: list[str] = field(default_factory=list)
-    timings: list[Timing] = field(default_factory=list)
-    targets: list[Target] = field(default_factory=list)
-    diagnosis: list[str] = field(default_factory=list)
-
-    def missed(self) -> list[Target]:
-        return [t for t in self.targets if t.verdict() == "MISS"]
-
-
-# -- small helpers ------------------------------------------------------------------------
-
-
-def log(message: str) -> None:
-    """Progress on stderr."""
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-def git_state() -> str:
-    """The commit this checkout is at, and the tracked files changed since (figures depend on
-    the code that ran: others may be changing the working tree meanwhile)."""
-    repo = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(repo), "log", "-1", "--format=%h %s"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        changed = subprocess.run(
-            ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.split("\n")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-    edits = [line[3:] for line in changed if line.strip()]
-    head = head if len(head) <= 72 else head[:69] + "..."
-    return f"{head}; tracked files changed: {', '.join(edits) or 'none'}"
-
-
-def load() -> str:
-    """The 1, 5 and 15 minute load averages."""
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def alternate(cases: list[tuple[Timing, Callable[[], object]]], repeat: int) -> None:
-    """Run each case once untimed, then all of them `repeat` times, the order rotating."""
-    for _timing, action in cases:
-        action()
-    for run in range(repeat):
-        shift = run % len(cases)
-        for timing, action in cases[shift:] + cases[:shift]:
-            timing.runs.append(timed(action))
-
-
-def shell(command: str) -> Callable[[], object]:
-    """A shell command run with its output discarded, failing loudly."""
-    return lambda: subprocess.run(command, shell=True, check=True, stdout=subprocess.DEVNULL)
-
-
-def process(command: list[str], env: dict[str, str] | None = None) -> Callable[[], object]:
-    """A process run with its output discarded, failing loudly."""
-    return lambda: subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=env)
-
-
-def open_registry(location: Path, home: Path) -> Registry:
-    """The registry at a folder, with its default SQLite index DB beside the blobs."""
-    return Registry(str(location), default_database(str(location), home))
-
-
-def write_blob(root: Path, data: bytes) -> Digest:
-    """Store bytes as a plain blob by writing its file directly (no temp file, no fsync).
-
-    The result is what BlobStore.put_bytes leaves: the file named by its BLAKE3 digest under
-    blobs/blake3/<2 hex>/, read-only.
-    """
-    digest = Digest(blake3(data).hexdigest())
-    path = root / blob_key(digest, Encoding.PLAIN)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
-    except FileExistsError:
-        return digest
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    return digest
-
-
-@contextmanager
-def no_fsync() -> Iterator[None]:
-    """Skip fsync while populating (durability is not what is measured); sync once after."""
-    with mock.patch("os.fsync", lambda _fd: None):
-        yield
-    os.sync()
-
-
-def profile_top(action: Callable[[], object], limit: int = PROFILE_LINES) -> list[str]:
-    """The functions cProfile finds the most own time in, while the action runs once."""
-    profiler = cProfile.Profile()
-    profiler.runcall(action)
-    entries: dict[Any, Any] = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
-    total = sum(e[2] for e in entries.values())
-    ranked = sorted(entries.items(), key=lambda item: item[1][2], reverse=True)[:limit]
-    lines = [f"cProfile, own time (profiled run: {total:.3f} s of own time in all):"]
-    for (path, line, function), (_cc, calls, own, cumulative, _callers) in ranked:
-        where = "/".join(Path(path).parts[-2:]) + f":{line}" if line else "builtin"
-        lines.append(
-            f"  {own:7.3f} s own {cumulative:7.3f} s cum {calls:>8} calls  {function} ({where})"
-        )
-    return lines
-
-
-def stages(parts: list[tuple[str, float]]) -> list[str]:
-    """Stage timings as lines, each with its share of their sum."""
-    total = sum(s for _, s in parts) or 1.0
-    return [f"  {name:<58} {s:7.3f} s  {100 * s / total:5.1f}%" for name, s in parts]
-
-
-def time_stages(
-    steps: list[tuple[str, Callable[[], object]]], runs: int = 3
-) -> list[tuple[str, float]]:
-    """Each step's best time over a few runs."""
-    return [(name, min(timed(action) for _ in range(runs))) for name, action in steps]
 
 
 # -- 1. ls --------------------------------------------------------------------------------
-
-
-def package_name(index: int) -> str:
-    """The name the index-th package is published under (VERSIONS packages per name)."""
-    return f"model-{index // VERSIONS:05d}"
-
-
-def make_manifest(
-    index: int, payloads: list[tuple[Digest, int]], artifacts: list[Artifact]
-) -> Manifest:
-    """A valid manifest for the index-th package, naming the given blobs."""
-    model = f"org/model-{(index // VERSIONS) % MODELS}"
-    source = SourceFile(path="model.safetensors", digest=str(payloads[0][0]), size=payloads[0][1])
-    return Manifest(
-        format=FORMAT_VERSION,
-        name=package_name(index),
-        model=Model(id=model, revision=None, files=(source,)),
-        recipe=Recipe(name="llama", version=1, architecture="LlamaForCausalLM"),
-        options={"ranks": 1, "payload_bytes": 256 << 20},
-        ranks=1,
-        toolchain=Toolchain(runtime_abi=RUNTIME_ABI),
-        payloads=tuple(
-            Payload(
-                digest=str(digest),
-                size=size,
-                ranks=(0,),
-                tensors=(PayloadTensor(name=f"w{k}", dtype="BF16", shape=(size // 2,)),),
-            )
-            for k, (digest, size) in enumerate(payloads)
-        ),
-        artifacts=tuple(artifacts),
-        inputs=str(hash_bytes(f"inputs of package {index}".encode())),
-    )
 
 
 def shared_blobs(root: Path) -> tuple[list[tuple[Digest, int]], list[Artifact]]:
@@ -514,273 +289,6 @@ def import_costs(env: dict[str, str], limit: int = PROFILE_LINES) -> list[str]:
     lines = [f"python -X importtime, own time by package ({total:.3f} s in all, as measured):"]
     lines += [f"  {package:<30} {us / 1e6:7.3f} s" for package, us in ranked]
     return lines
-
-
-# -- 2. gc --------------------------------------------------------------------------------
-
-
-def populate_blobs(registry: Registry, count: int, live: float) -> list[str]:
-    """Write `count` distinct 64-byte blobs and publish a few tagged packages holding the
-    `live` fraction of them (at least GC_BLOBS_PER_PACKAGE each)."""
-    root = Path(registry.location)
-    digests = [write_blob(root, n.to_bytes(8, "big") * 8) for n in range(count)]
-    held: list[Digest] = []
-    per_package = max(GC_BLOBS_PER_PACKAGE, int(count * live) // GC_PACKAGES)
-    for k in range(GC_PACKAGES):
-        chosen = digests[k * per_package : (k + 1) * per_package]
-        held += chosen
-        manifest = make_manifest(k * VERSIONS, [(d, 64) for d in chosen], [])
-        index = write_blob(root, encode_index(manifest))
-        registry.publish(f"gc-{k}", refs.DEFAULT_TAG, index, manifest)
-    os.sync()
-    sample = digests[:: max(1, count // 1000)]
-    report = registry.store.verify(sample)
-    if not report.ok or report.checked != len(sample):
-        raise RuntimeError(f"the gc store's blobs are not sound: {report}")
-    return [
-        f"{count} blobs of 64 bytes plus {GC_PACKAGES} tagged packages holding "
-        f"{len(set(held))} of them ({report.checked} blobs verified)"
-    ]
-
-
-def check_gc(registry: Registry, files: int) -> list[str]:
-    """Run both collections once and check what they found; return notes."""
-    keep = gc.collect(registry, grace_s=3600, dry_run=True)
-    sweep = gc.collect(registry, grace_s=0, dry_run=True)
-    candidates = files - keep.marked
-    if keep.deleted or keep.kept_recent != candidates or len(sweep.deleted) != candidates:
-        raise RuntimeError(f"unexpected gc reports: {keep} / {len(sweep.deleted)} deleted")
-    return [
-        f"find counts {files} blob files; gc marks {keep.marked} from {keep.roots} roots; "
-        f"grace 3600 keeps {keep.kept_recent} as recent, grace 0 would delete "
-        f"{len(sweep.deleted)}"
-    ]
-
-
-def count_files(blobs: Path) -> int:
-    """What the baseline prints: the number of files under the store's blobs folder."""
-    done = subprocess.run(
-        f"find {blobs} -type f | wc -l", shell=True, check=True, capture_output=True, text=True
-    )
-    return int(done.stdout)
-
-
-def bench_gc(workdir: Path, count: int, repeat: int, live: float) -> Section:
-    """Time a dry-run collection over `count` blobs against listing them with find."""
-    section = Section(
-        f"2. gc over {count} blobs, {live:.1%} of them live "
-        f"(target: within {GC_TARGET}x of find | wc -l)"
-    )
-    home, location = workdir / f"gc-{live:g}-home", workdir / f"gc-{live:g}-registry"
-    registry = open_registry(location, home)
-    log(f"writing {count} blobs into {location}")
-    section.notes += populate_blobs(registry, count, live)
-    blobs = location / BLOB_DIR
-    section.notes += check_gc(registry, count_files(blobs))
-    processes = registry.store.backend.sweep_processes
-    keep = Timing(f"collect(grace_s=3600, dry_run=True), {processes} sweep processes")
-    sweep = Timing(f"collect(grace_s=0, dry_run=True), {processes} sweep processes")
-    single = Timing("ref: collect(grace_s=3600, dry_run=True), 1 sweep process")
-    find = Timing("find STORE/blobs -type f | wc -l")
-    find_stat = Timing("ref: find STORE/blobs -type f -printf '%s %T@\\n' | wc -l")
-    log("timing gc")
-    alternate(
-        [
-            (keep, lambda: gc.collect(registry, grace_s=3600, dry_run=True)),
-            (sweep, lambda: gc.collect(registry, grace_s=0, dry_run=True)),
-            (single, lambda: collect_in_one_process(registry)),
-            (find, shell(f"find {blobs} -type f | wc -l")),
-            (find_stat, shell(f"find {blobs} -type f -printf '%s %T@\\n' | wc -l")),
-        ],
-        repeat,
-    )
-    doomed = workdir / f"gc-{live:g}-doomed.txt"
-    swept = gc.collect(registry, grace_s=0, dry_run=True).deleted
-    doomed.write_text("".join(f"{blob_key(Digest.parse(d), Encoding.PLAIN)}\n" for d in swept))
-    deleting = Timing("collect(grace_s=0), deleting: into the trash, then out of it")
-    rm = Timing("ref: xargs rm of the same blob files")
-    log("timing gc that deletes, on a fresh copy of the store each run")
-    on_copies(
-        location,
-        repeat,
-        [
-            (deleting, lambda copy: partial(gc.collect, open_registry(copy, home), 0)),
-            (rm, lambda copy: shell(f"cd {copy} && xargs -a {doomed} rm -f")),
-        ],
-    )
-    section.timings = [keep, sweep, single, find, find_stat, deleting, rm]
-    section.notes.append(
-        f"gc that deletes {len(swept)} blobs / rm of those files: "
-        f"{deleting.median / rm.median:.2f}x (each on a fresh copy of the store)"
-    )
-    section.notes.append(
-        f"the sweep runs in {processes} processes (one per core, at most "
-        f"{MAX_SWEEP_PROCESSES}); in one process it takes {single.median / find.median:.2f}x find"
-    )
-    section.notes.append(
-        f"gc / find -printf (a stat per file): {keep.median / find_stat.median:.2f}x (grace "
-        f"3600), {sweep.median / find_stat.median:.2f}x (grace 0)"
-    )
-    section.targets = [
-        Target("gc, grace 3600 (keeps all)", keep, GC_TARGET, find),
-        Target("gc, grace 0 (would sweep all)", sweep, GC_TARGET, find),
-    ]
-    if section.missed():
-        section.diagnosis = explain_gc(registry, blobs, find.median)
-    return section
-
-
-def on_copies(
-    store: Path, repeat: int, cases: list[tuple[Timing, Callable[[Path], Callable[[], object]]]]
-) -> None:
-    """Time actions that change a store, each run on a fresh copy of it (copied untimed): a
-    case gives the action to time for the copy's folder."""
-    copy = store.with_name(f"{store.name}-copy")
-    for _ in range(repeat):
-        for timing, prepare in cases:
-            shutil.rmtree(copy, ignore_errors=True)
-            subprocess.run(["cp", "-a", str(store), str(copy)], check=True)
-            os.sync()  # the copy's writeback is not what is timed
-            action = prepare(copy)
-            timing.runs.append(timed(action))
-    shutil.rmtree(copy, ignore_errors=True)
-
-
-def collect_in_one_process(registry: Registry) -> object:
-    """A dry-run collection with grace 3600 whose sweep runs in this process only."""
-    with mock.patch.object(registry.store.backend, "sweep_processes", 1):
-        return gc.collect(registry, grace_s=3600, dry_run=True)
-
-
-def walk_names(top: Path) -> int:
-    """Files under a folder by name only (what find -type f does: no stat)."""
-    return sum(len(files) for _dir, _dirs, files in os.walk(top))
-
-
-def walk_scandir_stat(top: Path) -> int:
-    """Files under the two-level blob folder with one stat each, through os.scandir."""
-    total = 0
-    for shard in os.scandir(top):
-        for entry in os.scandir(shard.path):
-            total += entry.stat(follow_symlinks=False).st_size
-    return total
-
-
-def explain_gc(registry: Registry, blobs: Path, find_s: float) -> list[str]:
-    """Where a collection's time goes: its stages one by one, then a profile of it."""
-    log("profiling gc")
-    store = registry.store
-    found = gc.roots(registry)
-    marked = Marked(gc.mark(registry, found, keep=False), found.blobs)
-    keys = list(store.backend.iter_names(BLOB_DIR))
-    candidates = [c for share in unmarked(store, marked.in_folder) for c in share.unmarked]
-    folders = store.backend.list_dir(BLOB_DIR)
-    parts = time_stages(
-        [
-            ("roots(): refs, tags, pins, leases", lambda: gc.roots(registry)),
-            ("mark(): the roots' marks files", lambda: gc.mark(registry, found, False)),
-            ("list names under blobs/ (no stat)", lambda: list(store.backend.iter_names(BLOB_DIR))),
-            (
-                "sweep: list, drop marked names, stat and parse the rest, all processes",
-                lambda: list(unmarked(store, marked.in_folder)),
-            ),
-            (
-                "the same, one process",
-                lambda: sweep_share(store, folders, marked.in_folder),
-            ),
-            (
-                "one stat per candidate, by path, one thread (for reference)",
-                lambda: [store.backend.stat(key) for _, key, _, _ in candidates],
-            ),
-        ]
-    )
-    scandir_s = min(timed(lambda: walk_scandir_stat(blobs)) for _ in range(3))
-    lines = [
-        f"gc stages, each timed alone (min of 3), {len(keys)} blobs, {len(candidates)} candidates:"
-    ]
-    lines += stages(parts)
-    lines += [
-        f"(find -type f: {find_s:.3f} s; os.scandir + DirEntry.stat, one stat per file: "
-        f"{scandir_s:.3f} s)",
-        *profile_top(lambda: gc.collect(registry, grace_s=3600, dry_run=True)),
-    ]
-    return lines
-
-
-# -- 3. verify ----------------------------------------------------------------------------
-
-
-def build_big(workdir: Path, size: int) -> tuple[Registry, list[Path]]:
-    """Build package `big` from a synthetic checkpoint; return its registry and blob files."""
-    checkpoint, home = workdir / "big-checkpoint", workdir / "big-home"
-    log(f"writing a synthetic Llama checkpoint of about {size / GIB:.2f} GiB")
-    make_synthetic_llama(checkpoint, size)
-    log("building it: flare build --name big")
-    command = [*flare_command(), "build", str(checkpoint), "--name", BIG, "--json"]
-    subprocess.run(command, check=True, capture_output=True, env=flare_env(home, home / "config"))
-    shutil.rmtree(checkpoint)
-    os.sync()
-    registry = open_registry(home / "registry", home)
-    _name, digest, manifest = registry.manifest(BIG)
-    keys = [blob_key(d, Encoding.PLAIN) for d in [digest, *manifest.blobs()]]
-    return registry, [registry.store.backend.local_path(k) for k in keys]
-
-
-def check_b3sum(paths: list[Path]) -> None:
-    """b3sum must print each blob's own name: the baseline hashes the same bytes."""
-    done = subprocess.run(["b3sum", *map(str, paths)], check=True, capture_output=True, text=True)
-    for line in done.stdout.splitlines():
-        hex_digest, path = line.split(maxsplit=1)
-        if Path(path).name != hex_digest:
-            raise RuntimeError(f"b3sum gives {hex_digest} for {path}")
-
-
-def bench_verify(workdir: Path, size: int, repeat: int) -> Section:
-    """Time verifying package `big` against b3sum over its blob files."""
-    section = Section(
-        f"3. verify a {size / GIB:.2f} GiB package (target: within {VERIFY_TARGET}x of b3sum)"
-    )
-    registry, paths = build_big(workdir, size)
-    report = registry.verify(BIG)
-    if not report.ok or report.checked != len(paths):
-        raise RuntimeError(f"verify of {BIG} failed: {report}")
-    check_b3sum(paths)
-    nbytes = sum(p.stat().st_size for p in paths)
-    section.notes.append(
-        f"{len(paths)} blob files, {nbytes / GIB:.3f} GiB (index and payloads included), "
-        f"{len(os.sched_getaffinity(0))} cores; page cache warm; verify finds all {report.checked}"
-        " intact and b3sum prints each file's own name"
-    )
-    verify = Timing(f'Registry.verify("{BIG}")')
-    b3sum = Timing("b3sum BLOB_FILES > /dev/null")
-    log("timing verify")
-    alternate(
-        [(verify, lambda: registry.verify(BIG)), (b3sum, process(["b3sum", *map(str, paths)]))],
-        repeat,
-    )
-    section.timings = [verify, b3sum]
-    section.targets = [Target("verify", verify, VERIFY_TARGET, b3sum)]
-    if section.missed():
-        section.diagnosis = explain_verify(registry, paths)
-    return section
-
-
-def explain_verify(registry: Registry, paths: list[Path]) -> list[str]:
-    """Where verify's time goes: the look-ups, then the same hashing done in other ways."""
-    log("profiling verify")
-    parts = time_stages(
-        [
-            ("resolve + read_manifest (one small index read)", lambda: registry.manifest(BIG)),
-            ("store.sweep_temps()", registry.store.sweep_temps),
-            ("Registry.verify(workers=1): one file at a time", lambda: registry.verify(BIG, 1)),
-            ("hash_file() per file in turn, threads: auto", lambda: [hash_file(p) for p in paths]),
-            ("hash_file() per file in turn, 1 thread", lambda: [hash_file(p, 1) for p in paths]),
-        ]
-    )
-    lines = ["verify's look-ups, and the same hashing done other ways (min of 3):"]
-    lines += [f"  {name:<58} {s:7.3f} s" for name, s in parts]
-    lines.append("(cProfile sees the main thread only: pool workers' hashing shows as waiting)")
-    return [*lines, *profile_top(lambda: registry.verify(BIG))]
 
 
 # -- report and main ----------------------------------------------------------------------

@@ -42,7 +42,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the `faults` package
 
 from faults.lab import Lab, can_mount
-from faults.trials import KINDS, Outcome, Violation, run_trial
+from faults.trial import Outcome, Violation
+from faults.trials import KINDS, run_trial
 
 ROUND = 40
 """Trials per round of the schedule: each kind gets its weight's share of a round, shuffled."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from faults.lab import Home, kill_group
 
 if TYPE_CHECKING:
-    from faults.trials import Trial
+    from faults.trial import Trial
 
 START_TIMEOUT_S = 90.0
 HEALTH_LIMIT_S = 1.0

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from faults.lab import Lab, can_mount
-from faults.trials import Outcome, run_trial
+from faults.trial import Outcome
+from faults.trials import run_trial
 
 
 @pytest.fixture(scope="module")
