@@ -68,12 +68,23 @@ class HealthWatch:
         self._thread = threading.Thread(target=self._watch)
 
     def __enter__(self) -> HealthWatch:
+        """Start watching; the block runs once /health has answered (the client is connected),
+        so the block's requests meet a watch that is already asking."""
         self._thread.start()
+        self._wait_for_answers(1)
         return self
 
     def __exit__(self, *_: type[BaseException] | BaseException | TracebackType | None) -> None:
+        """Stop after one more answer than the block began with: the server answered /health
+        after (or while) the block's requests were handled."""
+        self._wait_for_answers(len(self.times) + 1)
         self._done.set()
         self._thread.join()
+
+    def _wait_for_answers(self, count: int, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.times) + len(self.failures) < count and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     @property
     def slowest(self) -> float:
