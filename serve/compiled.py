@@ -92,8 +92,12 @@ def _hook_compiler() -> None:
 
 
 def use_cache_folder(folder: Path) -> None:
-    """Point Inductor at `folder` (read at every lookup, so before the first compile)."""
+    """Point Inductor, and Triton, at `folder` (read at every lookup, so before the first
+    compile). Triton's cache is the one Inductor would choose for GPU 0, named for every GPU:
+    a kernel that Triton compiles in this process rather than in Inductor's compile workers (on
+    its first launch) lands in the folder that is packed, and a server finds it there."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    os.environ["TRITON_CACHE_DIR"] = str(folder / "triton" / "0")
 
 
 class CompiledForward:
