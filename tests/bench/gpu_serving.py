@@ -1,0 +1,396 @@
+"""flare serving against transformers on one GPU, by shape: decode rate, streams, first token.
+
+    python tests/bench/gpu_serving.py [--shapes 1b,8b] [--out DIR] [--skip-compiled]
+    python tests/bench/gpu_serving.py --device cpu --shapes tiny     # the script's own check
+
+For each shape, in one run: a random-weight bf16 Llama checkpoint in the Hugging Face layout
+(real vocabulary size; a word-level tokenizer whose every id is the word `w<id>`, so a prompt of
+N words is N tokens and every sampled id decodes), then
+
+- transformers on the same device: `generate` with its static cache at batch 1 and 16, and the
+  same with the forward compiled (`torch.compile`, mode reduce-overhead), greedy;
+- flare: the checkpoint built with `--target DEVICE`, served by `flare serve`, streamed over
+  HTTP with temperature 0 and `ignore_eos`: batch-1 decode, 16 and 64 concurrent streams, the
+  first token of an 8K-token prompt, greedy continuations beside transformers', and the
+  compilations counted after ready (`/metrics`);
+- the bandwidth roofline: weight bytes ÷ 4.8 TB/s per token (an H200's HBM3e).
+
+Nothing asserts on time: the script prints one JSON report (and writes it under --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HBM_BYTES_PER_S = 4.8e12
+FIELDS = ("hidden", "layers", "heads", "kv_heads", "inter", "vocab")
+SHAPES = {
+    "tiny": dict(zip(FIELDS, (256, 2, 4, 2, 768, 1024), strict=True)),
+    "1b": dict(zip(FIELDS, (2048, 16, 32, 8, 8192, 128256), strict=True)),
+    "8b": dict(zip(FIELDS, (4096, 32, 32, 8, 14336, 128256), strict=True)),
+}
+"""Llama-3.2-1B's and Llama-3.1-8B's shapes, and a tiny one to check the script on a CPU."""
+SHARD_BYTES = 4 << 30
+DECODE_TOKENS = 128
+STREAM_TOKENS = 64
+LONG_PROMPT = 8192
+PARITY_PROMPTS = 8
+PARITY_TOKENS = 32
+
+
+def write_tokenizer(folder: Path, vocab: int) -> None:
+    """A word-level tokenizer of `vocab` words `w0`..: one id per word, every id decodable."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(vocab)}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "w0"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+
+
+def make_checkpoint(folder: Path, shape: dict[str, int], device: str) -> int:
+    """The checkpoint of `shape`, weights drawn on `device` (std 0.02, norms at one), in shards
+    of at most SHARD_BYTES; returns its weight bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(folder, shape["vocab"])
+    h, layers, head_dim = shape["hidden"], shape["layers"], shape["hidden"] // shape["heads"]
+    kv = shape["kv_heads"] * head_dim
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": shape["inter"],
+        "num_hidden_layers": layers,
+        "num_attention_heads": shape["heads"],
+        "num_key_value_heads": shape["kv_heads"],
+        "head_dim": head_dim,
+        "vocab_size": shape["vocab"],
+        "max_position_embeddings": 16384,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 0,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    shapes = {"model.embed_tokens.weight": (shape["vocab"], h), "model.norm.weight": (h,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (shape["inter"], h),
+            p + "mlp.up_proj.weight": (shape["inter"], h),
+            p + "mlp.down_proj.weight": (h, shape["inter"]),
+        }
+    shapes["lm_head.weight"] = (shape["vocab"], h)
+    generator = torch.Generator(device).manual_seed(0)
+    shards: list[dict[str, Any]] = [{}]
+    size = total = 0
+    for name, dims in shapes.items():
+        if len(dims) == 1:
+            tensor = torch.ones(dims, dtype=torch.bfloat16)
+        else:
+            drawn = torch.randn(dims, generator=generator, device=device, dtype=torch.float32)
+            tensor = (drawn * 0.02).to(torch.bfloat16).cpu()
+        nbytes = tensor.numel() * 2
+        if size and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size, total = size + nbytes, total + nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, file)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return total
+
+
+def prompt_of(words: int, seed: int) -> str:
+    """A prompt of exactly `words` tokens (ids 2.. drawn from a seed; never w0, the EOS)."""
+    import random
+
+    rng = random.Random(seed)
+    return " ".join(f"w{rng.randrange(2, 1000)}" for _ in range(words))
+
+
+# -- transformers ---------------------------------------------------------------------------
+
+
+def transformers_figures(folder: Path, device: str, compiled: bool) -> dict[str, Any]:
+    """Decode tok/s of `generate` with a static cache at batch 1 and 16 (and compiled), and
+    greedy continuations of the parity prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    out: dict[str, Any] = {
+        "static_batch1_tok_s": decode_rate(model, tokenizer, device, 1),
+        "static_batch16_tok_s": decode_rate(model, tokenizer, device, 16),
+    }
+    out["greedy"] = [
+        greedy(model, tokenizer, device, prompt_of(16, seed)) for seed in range(PARITY_PROMPTS)
+    ]
+    if compiled:
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        out["compiled_batch1_tok_s"] = decode_rate(model, tokenizer, device, 1)
+        out["compiled_batch16_tok_s"] = decode_rate(model, tokenizer, device, 16)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def decode_rate(model: Any, tokenizer: Any, device: str, batch: int) -> float:
+    """Tokens/s of the decode alone: (time of N+1 new tokens - time of 1) over N, the better of
+    two runs after a warm-up."""
+    import torch
+
+    ids = tokenizer([prompt_of(32, i) for i in range(batch)], return_tensors="pt").to(device)
+
+    def run(new: int) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        model.generate(
+            **ids,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            cache_implementation="static",
+            pad_token_id=0,
+        )
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    run(DECODE_TOKENS + 1)
+    best = min(run(DECODE_TOKENS + 1) - run(1) for _ in range(2))
+    return round(batch * DECODE_TOKENS / best, 1)
+
+
+def greedy(model: Any, tokenizer: Any, device: str, prompt: str) -> str:
+    ids = tokenizer(prompt, return_tensors="pt").to(device)
+    made = model.generate(
+        **ids,
+        max_new_tokens=PARITY_TOKENS,
+        min_new_tokens=PARITY_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return tokenizer.decode(made[0, ids["input_ids"].shape[1] :])
+
+
+# -- flare ------------------------------------------------------------------------------------
+
+
+def flare(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "flare", *args], env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"flare {' '.join(args)} exit {done.returncode}: {done.stderr[-3000:]}")
+    return done.stdout
+
+
+def serve(env: dict[str, str], name: str, device: str) -> tuple[subprocess.Popen[str], str, str]:
+    """`flare serve` until its ready line: the process, the API's base URL, the line."""
+    command = [sys.executable, "-m", "flare", "serve", name, "--port", "0", "--device", device]
+    server = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    err: list[str] = []
+    threading.Thread(target=lambda: err.extend(server.stderr), daemon=True).start()
+    for line in server.stdout:
+        found = re.search(r"at (http://\S+/v1)", line)
+        if found:
+            return server, found.group(1), line.strip()
+    server.wait()
+    raise RuntimeError(f"serve ended before ready: {''.join(err)[-3000:]}")
+
+
+def stream(client: Any, url: str, name: str, prompt: str, tokens: int) -> tuple[int, float, float]:
+    """One streamed completion: (tokens, seconds to the first, seconds after the first)."""
+    body = {
+        "model": name,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    started, first, got = time.perf_counter(), None, 0
+    with client.stream("POST", f"{url}/completions", json=body, timeout=900) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                got += 1
+                first = first or time.perf_counter()
+    end = time.perf_counter()
+    return got, (first or end) - started, end - (first or end)
+
+
+def concurrent(url: str, name: str, width: int) -> float:
+    """Total tokens/s of `width` streams at once (short prompts, STREAM_TOKENS each)."""
+    import httpx
+
+    results: list[tuple[int, float, float]] = [(0, 0.0, 0.0)] * width
+    with httpx.Client(limits=httpx.Limits(max_connections=width + 4)) as client:
+
+        def one(i: int) -> None:
+            results[i] = stream(client, url, name, prompt_of(32, 100 + i), STREAM_TOKENS)
+
+        started = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(width)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - started
+    return round(sum(r[0] for r in results) / wall, 1)
+
+
+def flare_figures(env: dict[str, str], name: str, device: str) -> dict[str, Any]:
+    import httpx
+
+    server, url, ready = serve(env, name, device)
+    out: dict[str, Any] = {"ready_line": ready}
+    try:
+        with httpx.Client() as client:
+            stream(client, url, name, prompt_of(32, 0), 8)  # a warm-up request
+            got, _, seconds = stream(client, url, name, prompt_of(32, 1), DECODE_TOKENS)
+            out["batch1_tok_s"] = round((got - 1) / seconds, 1)
+            firsts = [
+                stream(client, url, name, prompt_of(LONG_PROMPT, 50 + i), 1)[1] for i in range(3)
+            ]
+            out["first_token_8k_s"] = round(statistics.median(firsts), 4)
+            out["greedy"] = [
+                completion(client, url, name, prompt_of(16, seed)) for seed in range(PARITY_PROMPTS)
+            ]
+        out["streams16_tok_s"] = concurrent(url, name, 16)
+        out["streams64_tok_s"] = concurrent(url, name, 64)
+        metrics = httpx.get(f"{url.removesuffix('/v1')}/metrics").text
+        found = re.search(r"^flare_compilations_total (\S+)$", metrics, re.M)
+        out["compilations_after_ready"] = float(found.group(1)) if found else None
+    finally:
+        server.send_signal(signal.SIGTERM)
+        out["serve_exit"] = server.wait(timeout=120)
+    return out
+
+
+def completion(client: Any, url: str, name: str, prompt: str) -> str:
+    body = {
+        "model": name,
+        "prompt": prompt,
+        "max_tokens": PARITY_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    reply = client.post(f"{url}/completions", json=body, timeout=300)
+    reply.raise_for_status()
+    return reply.json()["choices"][0]["text"]
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def same_words(ours: str, theirs: str) -> int:
+    """How many leading tokens two continuations share."""
+    count = 0
+    for a, b in zip(ours.split(), theirs.split(), strict=False):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
+def measure(shape_name: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    shape = SHAPES[shape_name]
+    folder = work / shape_name
+    started = time.perf_counter()
+    weight_bytes = make_checkpoint(folder / "ckpt", shape, args.device)
+    report: dict[str, Any] = {
+        "shape": shape_name,
+        "weight_bytes": weight_bytes,
+        "roofline_batch1_tok_s": round(HBM_BYTES_PER_S / weight_bytes, 1),
+        "checkpoint_s": round(time.perf_counter() - started, 1),
+    }
+    report["transformers"] = transformers_figures(
+        folder / "ckpt", args.device, not args.skip_compiled
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
+    env |= {"FLARE_HOME": str(folder / "home"), "XDG_CONFIG_HOME": str(folder / "xdg")}
+    env["NCCL_NVLS_ENABLE"] = "0"
+    flare(env, "key", "generate", "--publisher", "lab")
+    started = time.perf_counter()
+    built = json.loads(
+        flare(
+            env,
+            "build",
+            str(folder / "ckpt"),
+            "--name",
+            shape_name,
+            "--target",
+            args.device,
+            "--json",
+        )
+    )
+    report["build_s"] = round(time.perf_counter() - started, 1)
+    report["phases"] = {p["name"]: round(p["seconds"], 2) for p in built["phases"]}
+    report["flare"] = flare_figures(env, shape_name, args.device)
+    pairs = zip(report["flare"].pop("greedy"), report["transformers"].pop("greedy"), strict=True)
+    shared = [same_words(ours, theirs) for ours, theirs in pairs]
+    report["greedy_equal_share"] = sum(s == PARITY_TOKENS for s in shared) / len(shared)
+    report["greedy_shared_tokens"] = shared
+    flare_rate = report["flare"]["batch1_tok_s"]
+    report["flare_batch1_of_roofline"] = round(flare_rate / report["roofline_batch1_tok_s"], 3)
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="1b,8b")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--skip-compiled", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="flare-gpu-serving-"))
+    reports = [measure(name, args, work) for name in args.shapes.split(",")]
+    text = json.dumps(reports, indent=2)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_serving.json").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
