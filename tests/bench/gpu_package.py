@@ -85,7 +85,7 @@ def start_server(
     """`flare serve` until its ready line: the process, base URL, the line, seconds to it."""
     started = time.perf_counter()
     server = subprocess.Popen(
-        [sys.executable, "-m", "flare", "serve", name, "--port", "0", "--device", "cuda", *options],
+        [sys.executable, "-m", "flare", "serve", name, "--port", "0", *options],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -160,7 +160,7 @@ def mixed_load(url: str, name: str, widths: tuple[int, ...] = WIDTHS) -> dict[st
 
 def serve_and_load(env: dict[str, str], name: str, widths: tuple[int, ...], *options: str):
     """Serve `name` until ready, put a load on it, stop it: the ready line and the figures."""
-    server, url, line, seconds = start_server(env, name, *options)
+    server, url, line, seconds = start_server(env, name, "--device", "cuda", *options)
     report: dict[str, Any] = {"ready_line": line, "serve_to_ready_s": round(seconds, 1)}
     try:
         report |= mixed_load(url, name, widths)

@@ -26,13 +26,14 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from gpu_package import flare, start_server
 
 HBM_BYTES_PER_S = 4.8e12
 FIELDS = ("hidden", "layers", "heads", "kv_heads", "inter", "vocab")
@@ -69,10 +70,11 @@ def make_checkpoint(folder: Path, shape: dict[str, int], device: str) -> int:
     import torch
     from safetensors.torch import save_file
 
+    from flare.build.tiny import llama_specs
+
     folder.mkdir(parents=True, exist_ok=True)
     write_tokenizer(folder, shape["vocab"])
     h, layers, head_dim = shape["hidden"], shape["layers"], shape["hidden"] // shape["heads"]
-    kv = shape["kv_heads"] * head_dim
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -93,21 +95,7 @@ def make_checkpoint(folder: Path, shape: dict[str, int], device: str) -> int:
         "eos_token_id": 0,
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    shapes = {"model.embed_tokens.weight": (shape["vocab"], h), "model.norm.weight": (h,)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (h, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, h),
-            p + "mlp.gate_proj.weight": (shape["inter"], h),
-            p + "mlp.up_proj.weight": (shape["inter"], h),
-            p + "mlp.down_proj.weight": (h, shape["inter"]),
-        }
-    shapes["lm_head.weight"] = (shape["vocab"], h)
+    shapes = {spec.name: spec.shape for spec in llama_specs(config)}
     generator = torch.Generator(device).manual_seed(0)
     shards: list[dict[str, Any]] = [{}]
     size = total = 0
@@ -212,31 +200,6 @@ def greedy(model: Any, tokenizer: Any, device: str, prompt: str) -> str:
 # -- flare ------------------------------------------------------------------------------------
 
 
-def flare(env: dict[str, str], *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "flare", *args], env=env, capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"flare {' '.join(args)} exit {done.returncode}: {done.stderr[-3000:]}")
-    return done.stdout
-
-
-def serve(env: dict[str, str], name: str, device: str) -> tuple[subprocess.Popen[str], str, str]:
-    """`flare serve` until its ready line: the process, the API's base URL, the line."""
-    command = [sys.executable, "-m", "flare", "serve", name, "--port", "0", "--device", device]
-    server = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    err: list[str] = []
-    threading.Thread(target=lambda: err.extend(server.stderr), daemon=True).start()
-    for line in server.stdout:
-        found = re.search(r"at (http://\S+/v1)", line)
-        if found:
-            return server, found.group(1), line.strip()
-    server.wait()
-    raise RuntimeError(f"serve ended before ready: {''.join(err)[-3000:]}")
-
-
 def stream(client: Any, url: str, name: str, prompt: str, tokens: int) -> tuple[int, float, float]:
     """One streamed completion: (tokens, seconds to the first, seconds after the first)."""
     body = {
@@ -281,7 +244,7 @@ def concurrent(url: str, name: str, width: int) -> float:
 def flare_figures(env: dict[str, str], name: str, device: str) -> dict[str, Any]:
     import httpx
 
-    server, url, ready = serve(env, name, device)
+    server, url, ready, _ = start_server(env, name, "--device", device)
     out: dict[str, Any] = {"ready_line": ready}
     try:
         with httpx.Client() as client:
