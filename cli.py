@@ -24,6 +24,7 @@ from flare.errors import FlareError, from_os_error
 from flare.registry.commands import registry_app
 from flare.registry.signature_commands import sign_command, verify_command
 from flare.serve.commands import pull_command, serve_command
+from flare.serve.host_commands import cache_app, ps_command
 from flare.sign.commands import key_app, trust_app
 from flare.store.commands import store_app
 from flare.store.package import version_line
@@ -42,6 +43,7 @@ app.add_typer(store_app, name="store")
 app.add_typer(config_app, name="config")
 app.add_typer(key_app, name="key")
 app.add_typer(trust_app, name="trust")
+app.add_typer(cache_app, name="cache")
 
 
 def _print_version(wanted: bool) -> None:
@@ -91,6 +93,7 @@ app.command("sign")(sign_command)
 app.command("verify")(verify_command)
 app.command("pull")(pull_command)
 app.command("serve")(serve_command)
+app.command("ps")(ps_command)
 
 
 @config_app.command("show")

@@ -125,8 +125,8 @@ def serve_command(
 
     require_serve_extra()
     limits = _body_limits(max_body_size, body_timeout)
-    from flare.registry.leases import hold_lease
-    from flare.serve.server import listen, run_server
+    from flare.serve.launch import serving_leases
+    from flare.serve.server import listen, run_server, url_of
 
     sock = listen(host, port)
     times = {"start": time.perf_counter()}
@@ -135,7 +135,7 @@ def serve_command(
     )
     plan = report.plan
     times["pulled"] = time.perf_counter()
-    with hold_lease(source.store, "serve", packages=[plan.digest]):
+    with serving_leases(source, cache, plan, url_of(sock)):
         runtime, app = load_package_app(
             source,
             cache,

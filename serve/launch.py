@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -135,11 +137,24 @@ def _created(source: Registry, plan: PullPlan) -> int:
     return int(datetime.fromisoformat(record.created).timestamp()) if record else 0
 
 
+@contextmanager
+def serving_leases(source: Registry, cache: HostCache, plan: PullPlan, url: str) -> Iterator[None]:
+    """A server's leases: in its registry (gc keeps the package; `flare ps` lists it) and in
+    the host cache (`flare cache rm` and `prune` leave it alone)."""
+    from flare.registry.leases import hold_lease
+
+    what = f"{plan.name or ''}@{plan.digest}"
+    with (
+        hold_lease(source.store, "serve", [plan.digest], url=url, what=what),
+        hold_lease(cache.store, "serve", [plan.digest], url=url, what=what),
+    ):
+        yield
+
+
 def ask_served(ref: str, question: str) -> dict[str, Any]:
     """Pull REF, serve it on a free loopback port, ask one chat question, stop the server."""
     import httpx
 
-    from flare.registry.leases import hold_lease
     from flare.serve.server import background_server
 
     source, cache, pulled = pull_into_cache(ref, None, None, None, None)
@@ -151,8 +166,8 @@ def ask_served(ref: str, question: str) -> dict[str, Any]:
         "temperature": 0,
     }
     with (
-        hold_lease(source.store, "serve", packages=[pulled.plan.digest]),
         background_server(api, runtime) as url,
+        serving_leases(source, cache, pulled.plan, url),
     ):
         reply = httpx.post(f"{url}/chat/completions", json=body, timeout=120)
     if reply.status_code != 200:
