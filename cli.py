@@ -35,7 +35,7 @@ app = typer.Typer(
     help="flare: reproducible, signed runtime packages for LLM checkpoints.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,
 )
 config_app = typer.Typer(help="The effective configuration.", no_args_is_help=True)
 app.add_typer(registry_app, name="registry")
@@ -126,7 +126,7 @@ def _show(value: Any) -> Any:
 def main() -> None:
     """Run the CLI; user errors become one line on stderr and a meaningful exit code."""
     try:
-        app()
+        app(prog_name="flare")  # also as `python -m flare`: one name for help and completion
     except FlareError as exc:
         _fail(str(exc), exc.exit_code)
     except OSError as exc:

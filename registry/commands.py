@@ -176,6 +176,18 @@ def registry_tag(
     print_done(as_json, data, f"{name}:{tag} -> {digest}")
 
 
+@registry_app.command("untag")
+def registry_untag(
+    name_tag: Annotated[str, typer.Argument(metavar="NAME:TAG")],
+    registry: RegistryOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Remove the tag NAME:TAG; the package stays (gc keeps it while a tag or pin names it)."""
+    name, tag, digest = open_registry(registry).untag(name_tag)
+    data = {"name": name, "tag": tag, "digest": str(digest)}
+    print_done(as_json, data, f"untagged {name}:{tag} (was {digest})")
+
+
 @registry_app.command("pin")
 def registry_pin(ref: str, registry: RegistryOption = None, as_json: JsonOption = False) -> None:
     """Pin a package: gc never removes it, rm refuses it."""

@@ -250,6 +250,19 @@ class Registry:
         self.publish(parsed.name, tag, digest, refs.read_manifest(self.store, digest))
         return parsed.name, tag, digest
 
+    def untag(self, name_tag: str) -> tuple[str, str, Digest]:
+        """Remove NAME:TAG only: the package stays under its name (and its other tags); once
+        nothing tags or pins it, gc may collect it. Rows first, then the ref file, as forget."""
+        parsed = refs.parse_ref(name_tag)
+        if parsed.name is None or parsed.tag is None or parsed.digest is not None:
+            raise InvalidInputError(f"bad tag {name_tag!r}", "use NAME:TAG")
+        digest = refs.resolve_package(self.store, f"{parsed.name}:{parsed.tag}")[1]
+        row = (tags.c.name == parsed.name, tags.c.tag == parsed.tag)
+        self.db.write(lambda c: c.execute(delete(tags).where(*row)))
+        refs.untag(self.store, parsed.name, parsed.tag)
+        journal.record_change(self.store, parsed.name, digest)
+        return parsed.name, parsed.tag, digest
+
     def pin(self, ref: str, pinned: bool = True) -> tuple[str, Digest]:
         """Pin (or unpin) a package under its name: gc never removes a pinned package."""
         name, digest = self._named(ref)
