@@ -134,6 +134,10 @@ def build_command(
         bool,
         typer.Option("--retune", help="Tune again instead of reusing the kernel cache's records."),
     ] = False,
+    no_sign: Annotated[
+        bool,
+        typer.Option("--no-sign", help="Publish unsigned, even with a signing key configured."),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Build a package from a checkpoint, resumably, and publish it to the registry."""
@@ -180,7 +184,8 @@ def build_command(
         retune=retune,
     )
     with progress.bar:
-        result = Build(request, target, progress, sign=configured_signer(config)).run()
+        sign = None if no_sign else configured_signer(config)
+        result = Build(request, target, progress, sign=sign).run()
     print_build(result, as_json)
 
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import RunFlare
 from registry_helpers import tiny_source
 
-NOT_FOUND, INVALID = 3, 4
+NOT_FOUND, INVALID, UNTRUSTED = 3, 4, 11
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +54,15 @@ def test_shell_completion_is_offered_and_completes_commands(run_flare: RunFlare)
         }
     )
     assert asked.stdout.split() == ["untag", "unpin"]
+
+
+def test_no_sign_publishes_unsigned_with_a_key_configured(
+    run_flare: RunFlare, source: Path
+) -> None:
+    assert run_flare("key", "generate", "--publisher", "alice").returncode == 0
+    unsigned = run_flare("build", str(source), "--name", "plain", "--no-sign")
+    assert unsigned.returncode == 0, unsigned.stderr
+    assert run_flare("build", str(source), "--name", "signed").returncode == 0
+    listed = json.loads(run_flare("registry", "ls", "--json").stdout)
+    assert {row["name"]: row["publisher"] for row in listed} == {"plain": None, "signed": "alice"}
+    assert run_flare("verify", "plain").returncode == UNTRUSTED
