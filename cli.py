@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from flare.build.commands import build_command, join_command
-from flare.cli_common import JsonOption, err, out, print_json, print_table
+from flare.cli_common import JsonOption, NoTruncOption, err, out, print_json, print_table
 from flare.config import SETTINGS, load_config
 from flare.errors import FlareError, from_os_error
 from flare.registry.commands import registry_app
@@ -97,7 +97,7 @@ app.command("ps")(ps_command)
 
 
 @config_app.command("show")
-def config_show(as_json: JsonOption = False) -> None:
+def config_show(as_json: JsonOption = False, _no_trunc: NoTruncOption = False) -> None:
     """Print every effective setting and where it came from."""
     config = load_config()
     rows = [(key, _show(v.value), v.source) for key, v in config.values.items()]

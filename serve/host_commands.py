@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from rich.filesize import decimal
 
-from flare.cli_common import JsonOption, RegistryOption, out, print_json, print_table
+from flare.cli_common import JsonOption, NoTruncOption, RegistryOption, out, print_json, print_table
 from flare.config import load_config
 from flare.registry.commands import open_registry
 from flare.registry.leases import live_leases
@@ -43,7 +43,7 @@ def _fields(package: CachedPackage) -> dict[str, object]:
 
 
 @cache_app.command("ls")
-def cache_ls(as_json: JsonOption = False) -> None:
+def cache_ls(as_json: JsonOption = False, _no_trunc: NoTruncOption = False) -> None:
     """List the packages pulled to this host: size, last pulled or served, live servers."""
     packages = _host_cache().packages()
     if as_json:
@@ -89,7 +89,9 @@ def _print_removal(removal: Removal, as_json: bool) -> None:
     out.print(f"freed {decimal(removal.bytes)} in {removal.blobs} blobs")
 
 
-def ps_command(registry: RegistryOption = None, as_json: JsonOption = False) -> None:
+def ps_command(
+    registry: RegistryOption = None, as_json: JsonOption = False, _no_trunc: NoTruncOption = False
+) -> None:
     """List the live servers of a registry's packages, on every host that shares it."""
     leases = live_leases(open_registry(registry).store)
     servers = sorted((s for s in leases if s.purpose == "serve"), key=lambda s: s.started)
