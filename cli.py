@@ -74,8 +74,9 @@ def demo_command(as_json: JsonOption = False) -> None:
     """The main job on the embedded default: a tiny seeded model built, published, signed with
     a development key, pulled, served, and asked one question over the HTTP API."""
     from flare.build.commands import build_demo, print_build
-    from flare.serve.launch import ask_served
+    from flare.serve.launch import ask_served, require_serve_extra
 
+    require_serve_extra("flare demo")
     result = build_demo()
     if not as_json:
         print_build(result, as_json)

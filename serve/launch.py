@@ -34,12 +34,18 @@ if TYPE_CHECKING:
     from flare.serve.runtime import Runtime
 
 
-def require_serve_extra() -> None:
-    """Pull and serve run models: without the serve extra, say how to get it."""
-    missing = [m for m in ("torch", "fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+SERVE_MODULES = ("torch", "fastapi", "uvicorn", "jinja2", "prometheus_client", "httpx")
+"""What the serve extra installs (pyproject.toml), by import name."""
+
+
+def require_serve_extra(command: str = "flare pull and serve") -> None:
+    """Pull, serve and the demo run models: without the serve extra, say how to get it,
+    before any work (a demo would otherwise build and publish, then fail)."""
+    missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise FlareError(
-            f"flare pull and serve need {', '.join(missing)}, which are not installed",
+            f"{command} needs {', '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed",
             install_hint("serve"),
         )
 
