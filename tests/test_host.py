@@ -85,3 +85,36 @@ def test_ps_lists_live_servers_and_gc_prunes_dead_ones(home: Path) -> None:
     assert json.loads(flare(env, "ps", "--json").stdout) == []
     flare(env, "registry", "gc")
     assert not (leases / "dead.json").exists()
+
+
+def test_serve_builds_a_checkpoint_folder_or_hub_id_then_serves_it(tmp_path: Path) -> None:
+    hub = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = hub / "models--acme--Tiny_Chat"
+    make_tiny_llama(repo / "snapshots" / commit, seed=3)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = flare_env(tmp_path, HF_HUB_CACHE=str(hub))
+    flare(env, "key", "generate", "--publisher", "alice")
+    folder = make_tiny_llama(tmp_path / "My Llama", seed=2)
+    for source, name in ((str(folder), "my-llama"), ("acme/Tiny_Chat", "tiny_chat")):
+        for _ in range(2):  # the second time, the build is taken from the first
+            server = Server(env, source)
+            assert server.process.stderr is not None
+            built = server.process.stderr.readline()
+            while not built.startswith("built "):
+                built = server.process.stderr.readline()
+            running = json.loads(flare(env, "ps", "--json").stdout)
+            assert server.stop()[0] == 0
+            assert built.startswith(f"built {name}:latest@blake3:") and f"as {name}@" in built
+            digest = built.split("@", 1)[1].split()[0]
+            assert [s["package"] for s in running] == [f"{name}@{digest}"]
+    pulled = flare(env, "pull", str(folder), check=False)
+    assert (
+        pulled.returncode == 4 and f"build it first: flare build {folder} --name" in pulled.stderr
+    )
+    listed = json.loads(flare(env, "registry", "ls", "--json").stdout)
+    assert {row["name"]: row["publisher"] for row in listed} == {
+        "my-llama": "alice",
+        "tiny_chat": "alice",
+    }
