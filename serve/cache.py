@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flare.errors import FlareError, IntegrityError, InvalidInputError, NotFoundError
-from flare.registry.leases import live_leases
+from flare.registry.leases import drop_expired_leases, live_leases
 from flare.registry.signatures import SIGNATURES_DIR, write_signature
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest, parse_prefix, resolve_prefix
@@ -152,8 +152,10 @@ class HostCache:
         return removal
 
     def prune(self) -> Removal:
-        """Remove every cached package no live server holds, and the blobs no cached package
-        names (left by removed packages or an interrupted pull) once they are an hour old."""
+        """Remove every cached package no live server holds, the blobs no cached package names
+        (left by removed packages or an interrupted pull) once they are an hour old, and the
+        lease files of servers that died without removing them."""
+        drop_expired_leases(self.store, older_than_s=0.0)  # servers that died unannounced
         removal = self.remove([p for p in self.packages() if not p.servers])
         kept, old_before = self._named_blobs(), time.time() - ORPHAN_GRACE_S
         for info in list(self.store.iter_blobs()):

@@ -44,9 +44,14 @@ def test_untag_removes_one_tag_and_keeps_the_package(run_flare: RunFlare, source
     assert tags(run_flare) == {"tiny": []}  # still listed: gc may collect it now
 
 
-def test_shell_completion_is_offered_and_completes_commands(run_flare: RunFlare) -> None:
-    shown = run_flare("--show-completion", "bash")
-    assert shown.returncode == 0
+def test_shell_completion_is_offered_and_completes_commands(
+    run_flare: RunFlare, flare_env: dict[str, str]
+) -> None:
+    in_bash = f"{sys.executable} -m flare --show-completion; exit $?"  # the shell it is for
+    shown = subprocess.run(
+        ["bash", "-c", in_bash], env=flare_env, capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0, shown.stderr
     assert "complete -o default -F _flare_completion flare" in shown.stdout
     asked = run_flare(
         env={

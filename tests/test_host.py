@@ -46,7 +46,10 @@ def test_cache_lists_removes_and_prunes_but_keeps_what_a_server_serves(home: Pat
         assert serving == [f"{os.uname().nodename}:{server.process.pid}"]
         refused = flare(env, "cache", "rm", "tiny", check=False)
         assert refused.returncode == IN_USE and "flare ps" in refused.stderr
+        dead = {"id": "dead", "holder": "gone:1", "purpose": "serve", "expires": 1.0}
+        (home / "packages" / "leases" / "dead.json").write_text(json.dumps(dead))
         pruned = json.loads(flare(env, "cache", "prune", "--json").stdout)
+        assert not (home / "packages" / "leases" / "dead.json").exists()
         assert [p["name"] for p in pruned["packages"]] == ["other"] and pruned["bytes"] > 0
         assert sorted(cached(env)) == ["tiny"]
     finally:
