@@ -18,12 +18,13 @@ from typing import Annotated, Any
 import typer
 
 from flare.build.commands import build_command, join_command
-from flare.cli_common import JsonOption, err, out, print_json, print_table
+from flare.cli_common import JsonOption, NoTruncOption, err, out, print_json, print_table
 from flare.config import SETTINGS, load_config
 from flare.errors import FlareError, from_os_error
 from flare.registry.commands import registry_app
 from flare.registry.signature_commands import sign_command, verify_command
 from flare.serve.commands import pull_command, serve_command
+from flare.serve.host_commands import cache_app, ps_command
 from flare.sign.commands import key_app, trust_app
 from flare.store.commands import store_app
 from flare.store.package import version_line
@@ -34,7 +35,7 @@ app = typer.Typer(
     help="flare: reproducible, signed runtime packages for LLM checkpoints.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,
 )
 config_app = typer.Typer(help="The effective configuration.", no_args_is_help=True)
 app.add_typer(registry_app, name="registry")
@@ -42,6 +43,7 @@ app.add_typer(store_app, name="store")
 app.add_typer(config_app, name="config")
 app.add_typer(key_app, name="key")
 app.add_typer(trust_app, name="trust")
+app.add_typer(cache_app, name="cache")
 
 
 def _print_version(wanted: bool) -> None:
@@ -72,8 +74,9 @@ def demo_command(as_json: JsonOption = False) -> None:
     """The main job on the embedded default: a tiny seeded model built, published, signed with
     a development key, pulled, served, and asked one question over the HTTP API."""
     from flare.build.commands import build_demo, print_build
-    from flare.serve.launch import ask_served
+    from flare.serve.launch import ask_served, require_serve_extra
 
+    require_serve_extra("flare demo")
     result = build_demo()
     if not as_json:
         print_build(result, as_json)
@@ -91,10 +94,11 @@ app.command("sign")(sign_command)
 app.command("verify")(verify_command)
 app.command("pull")(pull_command)
 app.command("serve")(serve_command)
+app.command("ps")(ps_command)
 
 
 @config_app.command("show")
-def config_show(as_json: JsonOption = False) -> None:
+def config_show(as_json: JsonOption = False, _no_trunc: NoTruncOption = False) -> None:
     """Print every effective setting and where it came from."""
     config = load_config()
     rows = [(key, _show(v.value), v.source) for key, v in config.values.items()]
@@ -123,7 +127,7 @@ def _show(value: Any) -> Any:
 def main() -> None:
     """Run the CLI; user errors become one line on stderr and a meaningful exit code."""
     try:
-        app()
+        app(prog_name="flare")  # also as `python -m flare`: one name for help and completion
     except FlareError as exc:
         _fail(str(exc), exc.exit_code)
     except OSError as exc:

@@ -9,6 +9,7 @@ than typer and rich through it.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -29,10 +30,31 @@ from rich.table import Table
 
 from flare.progress import PlainProgress
 
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+out = Console(
+    highlight=False,
+    soft_wrap=True,
+    width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200,
+)
+_tables = {"whole": False}
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+def _show_whole(wanted: bool) -> None:
+    _tables["whole"] = _tables["whole"] or wanted
+
+
+NoTruncOption = Annotated[
+    bool,
+    typer.Option(
+        "--no-trunc",
+        help="Show long cells whole (default: cut to the terminal's width, ending in …).",
+        callback=_show_whole,
+        expose_value=False,
+    ),
+]
+"""Read by print_table: commands declare it (as `_no_trunc`) and never use its value."""
 RegistryOption = Annotated[
     str | None, typer.Option("--registry", help="Registry location (default: the config's).")
 ]
@@ -61,13 +83,42 @@ def print_json(data: Any) -> None:
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """A table for people."""
+    """A table for people: one line per row, as docker prints them. Where the rows are wider
+    than the terminal (or COLUMNS; 200 when not a terminal), the widest columns are cut first,
+    each cut cell ending in an ellipsis; --no-trunc prints every cell whole."""
+    cells = [[str(cell) for cell in row] for row in rows]
+    natural = [max(len(c) for c in column) for column in zip(columns, *cells, strict=True)]
+    gaps = 2 * (len(columns) - 1)
+    whole = _tables["whole"]
+    widths = natural if whole else _fit(natural, out.width - gaps)
     table = Table(title=title, title_justify="left", box=None, pad_edge=False)
-    for column in columns:
-        table.add_column(column, no_wrap=column == "digest", overflow="fold")
-    for row in rows:
-        table.add_row(*(str(cell) for cell in row))
-    out.print(table)
+    for column, width in zip(columns, widths, strict=True):
+        table.add_column(column, no_wrap=True, overflow="ellipsis", max_width=width)
+    for row in cells:
+        table.add_row(*row)
+    if not whole:
+        out.print(table)
+        return
+    room = out.width
+    out.width = max(room, sum(natural) + gaps)  # rich fits any table to the console's width
+    try:
+        out.print(table)
+    finally:
+        out.width = room
+
+
+def _fit(widths: list[int], room: int) -> list[int]:
+    """Narrow the widest columns, one character at a time, until they fit `room`: first
+    down to 12 characters (a short digest, a date, a size stay whole while long paths and
+    texts give way), then, on a narrow terminal, down to 3 (an ellipsis and two more)."""
+    fitted = list(widths)
+    for floor in (12, 3):
+        while sum(fitted) > room:
+            widest = max(range(len(fitted)), key=fitted.__getitem__)
+            if fitted[widest] <= floor:
+                break
+            fitted[widest] -= 1
+    return fitted
 
 
 def print_done(as_json: bool, data: dict[str, Any], message: str) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from flare.atomic import write_file_atomic
-from flare.errors import FlareError, InvalidInputError, NotFoundError
+from flare.errors import InvalidInputError, NotFoundError
 from flare.store.backends import normalize_location
 from flare.store.encoding import Encoding, check_zstd_level
 from flare.toolchain import TARGETS
@@ -350,8 +350,12 @@ def record_signing_key(path: Path, key: Path, publisher: str) -> None:
 
 def check_signing_unset(path: Path) -> None:
     """Refuse to add a [signing] table to a config file that already has one."""
-    if any(key.startswith("signing.") for key in read_file(path, required=False)):
-        raise FlareError(
-            f"{path} already has [signing] settings",
-            "edit signing.key and signing.publisher there, or pass --no-default",
+    settings = read_file(path, required=False)
+    if any(key.startswith("signing.") for key in settings):
+        key, publisher = settings.get("signing.key", ""), settings.get("signing.publisher", "")
+        raise InvalidInputError(
+            f"this host already signs builds with {key or 'a key'} as {publisher or 'its owner'} "
+            f"([signing] in {path})",
+            "keep that key, or make one that is not this host's default: flare key generate "
+            "--publisher NAME --no-default --out FILE (flare sign --key FILE signs with it)",
         )

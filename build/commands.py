@@ -7,7 +7,9 @@ load this module too, start without it."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -134,6 +136,10 @@ def build_command(
         bool,
         typer.Option("--retune", help="Tune again instead of reusing the kernel cache's records."),
     ] = False,
+    no_sign: Annotated[
+        bool,
+        typer.Option("--no-sign", help="Publish unsigned, even with a signing key configured."),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Build a package from a checkpoint, resumably, and publish it to the registry."""
@@ -180,8 +186,58 @@ def build_command(
         retune=retune,
     )
     with progress.bar:
-        result = Build(request, target, progress, sign=configured_signer(config)).run()
+        sign = None if no_sign else configured_signer(config)
+        result = Build(request, target, progress, sign=sign).run()
     print_build(result, as_json)
+
+
+def is_source(ref: str) -> bool:
+    """Whether `flare serve REF` names a checkpoint folder or hub id (ORG/NAME) rather than a
+    package: package names have no `/`, and a folder is written as a path (`./tiny`)."""
+    return "/" in ref or ref.startswith(("~", "."))
+
+
+def build_to_serve(source: str, registry: str | None) -> str:
+    """Build SOURCE as `flare build` does (resumably; signed with this host's key where one
+    is configured), published under a name made from it; say so on stderr (stdout is the
+    server's); return the NAME@DIGEST that serve pulls."""
+    from flare.build.pipeline import Build, BuildRequest
+    from flare.build.target import resolve_target
+
+    config = load_config()
+    name = _name_for(source)
+    request = BuildRequest(
+        source=source,
+        name=name,
+        staging=config["paths.export_staging"],
+        hub_cache=config["paths.hub_cache"],
+        target=resolve_target(parse_target(config["build.target"])),
+        kernel_cache=config["paths.kernel_cache"],
+    )
+    progress = BuildProgress()
+    with progress.bar:
+        target = open_registry(registry, create=True)
+        built = Build(request, target, progress, sign=configured_signer(config)).run()
+    ref = f"{built.name}@{built.digest.short()}"
+    note(f"built {built.name}:latest@{built.digest} from {source}; serve it again as {ref}")
+    return f"{built.name}@{built.digest.hex}"
+
+
+def _name_for(source: str) -> str:
+    """A package name from a folder's name or a hub id's NAME: lowercased, other characters
+    made `-`."""
+    from flare.store.names import check_name
+
+    folder = Path(source).expanduser()
+    last = folder.resolve().name if folder.exists() else source.split("@")[0].rstrip("/")
+    name = re.sub(r"[^a-z0-9._-]+", "-", last.rsplit("/", 1)[-1].lower()).strip("-._")
+    try:
+        return check_name(name)
+    except InvalidInputError as exc:
+        raise InvalidInputError(
+            f"cannot make a package name of {source!r}",
+            f"build it with a name first: flare build {source} --name NAME, then flare serve NAME",
+        ) from exc
 
 
 def _print_check(ref: str, checked: CheckResult, as_json: bool) -> None:

@@ -100,14 +100,18 @@ class Rendezvous:
         """Another rank: reach rank zero's store, check the rank, form the process group."""
         dist = _distributed()
         host, port = parse_address(address)
+        unreachable = RankError(
+            f"rank {rank} could not reach rank 0 at {address} within {timeout:g} s",
+            "start `flare build ... --rendezvous` there first, and check the address",
+        )
+        if not _listening(host, port, timeout):
+            raise unreachable
         try:
-            store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
-            world = int(store.get("world"))
+            with _c10d_quiet():
+                store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
+                world = int(store.get("world"))
         except (RuntimeError, OSError) as exc:
-            raise RankError(
-                f"rank {rank} could not reach rank 0 at {address} within {timeout:g} s",
-                "start `flare build ... --rendezvous` there first, and check the address",
-            ) from exc
+            raise unreachable from exc
         if not 0 < rank < world:
             raise InvalidInputError(
                 f"--rank {rank} is not a peer rank of this {world}-rank build",
@@ -335,6 +339,38 @@ def _distributed() -> Any:
     import torch.distributed
 
     return torch.distributed
+
+
+def _listening(host: str, port: int, timeout: float) -> bool:
+    """Whether something listens at HOST:PORT within `timeout`, asked with plain connects.
+
+    torch's TCPStore client, asked the same, retries past its timeout (12 s for 5) and logs a
+    C++ stack at every try; a probe that connects and closes costs its server nothing."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(left, 1.0))):
+                return True
+        except OSError:
+            if left <= 0:
+                return False
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+@contextlib.contextmanager
+def _c10d_quiet() -> Iterator[None]:
+    """Keep what c10d's C++ code writes on stderr (file descriptor 2: a failed connect's
+    stack, dozens of lines) out of the user's terminal while a rank connects; the failure is
+    reported as one RankError line instead."""
+    saved = os.dup(2)
+    with open(os.devnull, "wb") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _first_line(exc: BaseException) -> str:

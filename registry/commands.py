@@ -13,6 +13,7 @@ from rich.filesize import decimal
 
 from flare.cli_common import (
     JsonOption,
+    NoTruncOption,
     RegistryOption,
     RestoreOption,
     VerifyDryRunOption,
@@ -94,6 +95,7 @@ def registry_ls(
     model: Annotated[str | None, typer.Option(help="Only packages of this model id.")] = None,
     registry: RegistryOption = None,
     as_json: JsonOption = False,
+    _no_trunc: NoTruncOption = False,
 ) -> None:
     """List published packages with their tags, sizes and pins."""
     rows = open_registry(registry).listings(name, model)
@@ -136,7 +138,12 @@ def registry_ls(
 
 
 @registry_app.command("show")
-def registry_show(ref: str, registry: RegistryOption = None, as_json: JsonOption = False) -> None:
+def registry_show(
+    ref: str,
+    registry: RegistryOption = None,
+    as_json: JsonOption = False,
+    _no_trunc: NoTruncOption = False,
+) -> None:
     """Print a package's manifest."""
     name, digest, manifest = open_registry(registry).manifest(ref)
     if as_json:
@@ -174,6 +181,18 @@ def registry_tag(
     name, tag, digest = open_registry(registry).tag(ref, name_tag)
     data = {"name": name, "tag": tag, "digest": str(digest)}
     print_done(as_json, data, f"{name}:{tag} -> {digest}")
+
+
+@registry_app.command("untag")
+def registry_untag(
+    name_tag: Annotated[str, typer.Argument(metavar="NAME:TAG")],
+    registry: RegistryOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Remove the tag NAME:TAG; the package stays (gc keeps it while a tag or pin names it)."""
+    name, tag, digest = open_registry(registry).untag(name_tag)
+    data = {"name": name, "tag": tag, "digest": str(digest)}
+    print_done(as_json, data, f"untagged {name}:{tag} (was {digest})")
 
 
 @registry_app.command("pin")

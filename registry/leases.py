@@ -39,6 +39,18 @@ class Lease:
     since: float | None = None
     """For builds: blobs touched at or after this time are kept."""
     expires: float = 0.0
+    started: float = 0.0
+    """When the work began (`flare ps` shows it)."""
+    url: str = ""
+    """For servers: where the API answers."""
+    what: str = ""
+    """The work, for people: a server's NAME@DIGEST."""
+
+    def host(self) -> str:
+        return self.holder.rpartition(":")[0]
+
+    def pid(self) -> int:
+        return int(self.holder.rpartition(":")[2])
 
     def live(self, now: float) -> bool:
         return self.expires > now
@@ -85,15 +97,24 @@ def drop_expired_leases(store: BlobStore, older_than_s: float = 3600.0) -> list[
 
 @contextmanager
 def hold_lease(
-    store: BlobStore, purpose: str, packages: list[Digest] | None = None, protect_new: bool = False
+    store: BlobStore,
+    purpose: str,
+    packages: list[Digest] | None = None,
+    protect_new: bool = False,
+    url: str = "",
+    what: str = "",
 ) -> Iterator[Lease]:
     """Hold a lease for the duration of the block, renewed by a heartbeat thread."""
+    now = time.time()
     lease = Lease(
         id=secrets.token_hex(8),
         holder=f"{socket.gethostname()}:{os.getpid()}",
         purpose=purpose,
         packages=[str(d) for d in packages or []],
-        since=time.time() - 1.0 if protect_new else None,
+        since=now - 1.0 if protect_new else None,
+        started=now,
+        url=url,
+        what=what,
     )
     store.backend.ensure()
     _write(store, lease)

@@ -12,12 +12,13 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Connection, Select, Table, delete, func, insert, select, update
+from sqlalchemy import Connection, Table, delete, func, insert, select, update
 
 from flare.errors import FlareError, IntegrityError, InvalidInputError, NotFoundError
 from flare.faults import crash_point
 from flare.registry import journal, localindex, marks, refs, signatures
 from flare.registry.database import IndexDB
+from flare.registry.listings import Listing, list_packages, packages_holding, usage
 from flare.registry.models import package_blobs, packages, publications, tags
 from flare.registry.refs import BadRef
 from flare.sign.errors import UntrustedError
@@ -42,23 +43,6 @@ class PinnedError(FlareError):
     """An operation that would drop a pinned package."""
 
     exit_code = 9
-
-
-@dataclass
-class Listing:
-    """One row of `flare registry ls` (not frozen: 10,000 frozen ones take 20 ms more)."""
-
-    name: str
-    digest: str
-    tags: list[str]
-    model: str
-    recipe: str
-    ranks: int
-    size: int
-    unique_size: int
-    pinned: bool
-    created: str
-    publisher: str | None
 
 
 @dataclass
@@ -250,6 +234,19 @@ class Registry:
         self.publish(parsed.name, tag, digest, refs.read_manifest(self.store, digest))
         return parsed.name, tag, digest
 
+    def untag(self, name_tag: str) -> tuple[str, str, Digest]:
+        """Remove NAME:TAG only: the package stays under its name (and its other tags); once
+        nothing tags or pins it, gc may collect it. Rows first, then the ref file, as forget."""
+        parsed = refs.parse_ref(name_tag)
+        if parsed.name is None or parsed.tag is None or parsed.digest is not None:
+            raise InvalidInputError(f"bad tag {name_tag!r}", "use NAME:TAG")
+        digest = refs.resolve_package(self.store, f"{parsed.name}:{parsed.tag}")[1]
+        row = (tags.c.name == parsed.name, tags.c.tag == parsed.tag)
+        self.db.write(lambda c: c.execute(delete(tags).where(*row)))
+        refs.untag(self.store, parsed.name, parsed.tag)
+        journal.record_change(self.store, parsed.name, digest)
+        return parsed.name, parsed.tag, digest
+
     def pin(self, ref: str, pinned: bool = True) -> tuple[str, Digest]:
         """Pin (or unpin) a package under its name: gc never removes a pinned package."""
         name, digest = self._named(ref)
@@ -368,15 +365,37 @@ class Registry:
 
     def manifest(self, ref: str) -> tuple[str | None, Digest, Manifest]:
         name, digest = self.resolve(ref)
+        self.require_index(name, digest)
         return name, digest, refs.read_manifest(self.store, digest)
+
+    def require_index(self, name: str | None, digest: Digest) -> None:
+        """Refuse a bare digest that names a part of packages, or any blob but an index, as
+        what it is (read as an index, a text file's first bytes claim an absurd header)."""
+        if name is not None or refs.is_package_index(self.store, digest):
+            return
+        size = self.store.plain_size(self.store.require(digest))
+        holders = self.db.read(lambda c: packages_holding(c, str(digest)))
+        if not holders:
+            raise InvalidInputError(
+                f"{digest.short()} is a {size}-byte blob that no package names, not a package",
+                "give NAME, NAME:TAG, NAME@DIGEST or a package's digest (flare registry ls)",
+            )
+        part = _part(refs.read_manifest(self.store, holders[0][1]), digest)
+        shown = [f"{name or ''}@{package.short()}" for name, package in holders]
+        more = f" and {len(shown) - 3} more" if len(shown) > 3 else ""
+        raise InvalidInputError(
+            f"{digest.short()} is not a package: it is {part} ({size} bytes) of "
+            f"{', '.join(shown[:3])}{more}",
+            f"show the package: flare registry show {shown[0]}",
+        )
 
     def listings(self, name: str | None = None, model: str | None = None) -> list[Listing]:
         """Every published package, newest first, with the sizes and refs users ask about."""
-        return self.db.read(lambda c: _listings(c, name, model))
+        return self.db.read(lambda c: list_packages(c, name, model))
 
     def usage(self) -> dict[str, int]:
         """Bytes the packages take: in all, shared by several, held by one only."""
-        return self.db.read(_usage)
+        return self.db.read(usage)
 
     def verify(
         self,
@@ -512,83 +531,12 @@ def _set_publisher(connection: Connection, digest: Digest, publisher: str | None
     return list(connection.scalars(select(publications.c.name).where(named)))
 
 
-def _listings(connection: Connection, name: str | None, model: str | None) -> list[Listing]:
-    """Three queries (unique sizes, tags, packages) joined in Python: joined in SQL, SQLite
-    evaluates the grouped unique sizes once per package row (5 s for 10,000 packages)."""
-    unique = dict(connection.execute(_unique_sizes()).all())
-    by_tag: dict[tuple[str, str], list[str]] = {}
-    for tag_name, digest, tag in connection.execute(select(tags.c.name, tags.c.digest, tags.c.tag)):
-        by_tag.setdefault((tag_name, digest), []).append(tag)
-    query = select(
-        publications.c.name,
-        publications.c.digest,
-        packages.c.model_id,
-        packages.c.revision,
-        packages.c.recipe,
-        packages.c.ranks,
-        packages.c.size,
-        publications.c.pinned,
-        publications.c.created,
-        publications.c.publisher,
-    ).join(packages, packages.c.digest == publications.c.digest)
-    if name:
-        query = query.where(publications.c.name == name)
-    if model:
-        query = query.where(packages.c.model_id == model)
-    order = (publications.c.created.desc(), publications.c.name, publications.c.digest)
-    rows = connection.execute(query.order_by(*order))
-    return [_listing(row, by_tag, unique) for row in rows]
-
-
-def _unique_sizes() -> Select[tuple[str, int]]:
-    """(package, size) rows: bytes of the blobs no other package needs, for packages with any.
-
-    One pass over the covering index on (blob, package, size), in blob order: a blob with one
-    package row is unique to that package."""
-    single = (
-        select(
-            func.min(package_blobs.c.package).label("package"),
-            func.min(package_blobs.c.size).label("size"),
-        )
-        .group_by(package_blobs.c.blob)
-        .having(func.count() == 1)
-        .subquery()
-    )
-    return select(single.c.package, func.sum(single.c.size)).group_by(single.c.package)
-
-
-def _listing(row: tuple, by_tag: dict, unique: dict) -> Listing:  # type: ignore[type-arg]
-    name, digest, model_id, revision, recipe, ranks, size, pinned, created, publisher = row
-    return Listing(
-        name=name,
-        digest=digest,
-        tags=sorted(by_tag.get((name, digest), [])),
-        model=model_id + (f"@{revision}" if revision else ""),
-        recipe=recipe,
-        ranks=ranks,
-        size=size,
-        unique_size=int(unique.get(digest, 0)),
-        pinned=bool(pinned),
-        created=created,
-        publisher=publisher,
-    )
-
-
-def _usage(connection: Connection) -> dict[str, int]:
-    per_blob = (
-        select(
-            package_blobs.c.blob,
-            func.max(package_blobs.c.size).label("size"),
-            func.count(func.distinct(package_blobs.c.package)).label("users"),
-        )
-        .group_by(package_blobs.c.blob)
-        .subquery()
-    )
-    total = connection.scalar(select(func.coalesce(func.sum(per_blob.c.size), 0))) or 0
-    shared = (
-        connection.scalar(
-            select(func.coalesce(func.sum(per_blob.c.size), 0)).where(per_blob.c.users > 1)
-        )
-        or 0
-    )
-    return {"total": int(total), "shared": int(shared)}
+def _part(manifest: Manifest, digest: Digest) -> str:
+    """What a blob is in a package: `the payload of ranks [0]`, `the tokenizer tokenizer.json`."""
+    for payload in manifest.payloads:
+        if payload.digest == str(digest):
+            return f"the payload of ranks {list(payload.ranks)}"
+    for artifact in manifest.artifacts:
+        if artifact.digest == str(digest):
+            return f"the {artifact.kind} {artifact.path}"
+    return "a blob"

@@ -54,7 +54,14 @@ def pull_command(
     as_json: JsonOption = False,
 ) -> None:
     """Pull a package into this host's cache: checked before any weight byte moves."""
+    from flare.build.commands import is_source
     from flare.serve.launch import pull_into_cache
+
+    if is_source(ref):
+        raise InvalidInputError(
+            f"{ref} is a checkpoint folder or hub id, not a package",
+            f"build it first: flare build {ref} --name NAME (flare serve {ref} builds and serves)",
+        )
 
     _source, cache, report = pull_into_cache(ref, registry, device, revision, accept)
     plan = report.plan
@@ -77,7 +84,13 @@ def pull_command(
 
 
 def serve_command(
-    ref: Annotated[str, typer.Argument(help="The package: NAME, NAME:TAG or NAME@DIGEST.")],
+    ref: Annotated[
+        str,
+        typer.Argument(
+            help="The package: NAME, NAME:TAG or NAME@DIGEST; or a checkpoint folder (./PATH) "
+            "or hub id (ORG/NAME[@REV]) to build first."
+        ),
+    ],
     registry: RegistryOption = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8000,
@@ -120,22 +133,26 @@ def serve_command(
         ),
     ] = None,
 ) -> None:
-    """Pull, verify and check a package, then serve it behind an OpenAI-compatible API."""
+    """Pull, verify and check a package, then serve it behind an OpenAI-compatible API (a
+    checkpoint folder or hub id is built and published first)."""
     from flare.serve.launch import load_package_app, pull_into_cache, require_serve_extra
 
     require_serve_extra()
     limits = _body_limits(max_body_size, body_timeout)
-    from flare.registry.leases import hold_lease
-    from flare.serve.server import listen, run_server
+    from flare.build.commands import build_to_serve, is_source
+    from flare.serve.launch import serving_leases
+    from flare.serve.server import listen, run_server, url_of
 
     sock = listen(host, port)
+    if is_source(ref):  # a checkpoint folder or hub id: build it first, as vllm serve does
+        ref = build_to_serve(ref, registry)
     times = {"start": time.perf_counter()}
     source, cache, report = pull_into_cache(
         ref, registry, device, revision, accept, compile_on_start
     )
     plan = report.plan
     times["pulled"] = time.perf_counter()
-    with hold_lease(source.store, "serve", packages=[plan.digest]):
+    with serving_leases(source, cache, plan, url_of(sock)):
         runtime, app = load_package_app(
             source,
             cache,

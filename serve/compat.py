@@ -172,16 +172,12 @@ def _check_target(manifest: Manifest, host: HostToolchain) -> None:
 
 
 def _check_ranks(manifest: Manifest, host: HostToolchain) -> None:
-    if manifest.ranks > host.devices:
-        raise IncompatibleError(
-            f"{manifest.name} is built for {manifest.ranks} ranks; this host has "
-            f"{host.devices} {host.device} device(s)",
-            f"serve it on a host with enough GPUs, or rebuild it with --ranks {host.devices}",
-        )
+    """The one place that says which rank counts this runtime serves (no host serves a
+    multi-rank package yet, so no hint may send the user to one)."""
     if manifest.ranks > 1:
         raise IncompatibleError(
-            f"{manifest.name} is built for {manifest.ranks} ranks; this runtime serves "
-            "one rank per package so far",
+            f"{manifest.name} is built for {manifest.ranks} ranks; this runtime serves one rank "
+            f"per package so far (this host has {host.devices} {host.device} device(s))",
             "rebuild it with --ranks 1 to serve it",
         )
 

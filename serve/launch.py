@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -32,12 +34,18 @@ if TYPE_CHECKING:
     from flare.serve.runtime import Runtime
 
 
-def require_serve_extra() -> None:
-    """Pull and serve run models: without the serve extra, say how to get it."""
-    missing = [m for m in ("torch", "fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+SERVE_MODULES = ("torch", "fastapi", "uvicorn", "jinja2", "prometheus_client", "httpx")
+"""What the serve extra installs (pyproject.toml), by import name."""
+
+
+def require_serve_extra(command: str = "flare pull and serve") -> None:
+    """Pull, serve and the demo run models: without the serve extra, say how to get it,
+    before any work (a demo would otherwise build and publish, then fail)."""
+    missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         raise FlareError(
-            f"flare pull and serve need {', '.join(missing)}, which are not installed",
+            f"{command} needs {', '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed",
             install_hint("serve"),
         )
 
@@ -135,11 +143,24 @@ def _created(source: Registry, plan: PullPlan) -> int:
     return int(datetime.fromisoformat(record.created).timestamp()) if record else 0
 
 
+@contextmanager
+def serving_leases(source: Registry, cache: HostCache, plan: PullPlan, url: str) -> Iterator[None]:
+    """A server's leases: in its registry (gc keeps the package; `flare ps` lists it) and in
+    the host cache (`flare cache rm` and `prune` leave it alone)."""
+    from flare.registry.leases import hold_lease
+
+    what = f"{plan.name or ''}@{plan.digest}"
+    with (
+        hold_lease(source.store, "serve", [plan.digest], url=url, what=what),
+        hold_lease(cache.store, "serve", [plan.digest], url=url, what=what),
+    ):
+        yield
+
+
 def ask_served(ref: str, question: str) -> dict[str, Any]:
     """Pull REF, serve it on a free loopback port, ask one chat question, stop the server."""
     import httpx
 
-    from flare.registry.leases import hold_lease
     from flare.serve.server import background_server
 
     source, cache, pulled = pull_into_cache(ref, None, None, None, None)
@@ -151,8 +172,8 @@ def ask_served(ref: str, question: str) -> dict[str, Any]:
         "temperature": 0,
     }
     with (
-        hold_lease(source.store, "serve", packages=[pulled.plan.digest]),
         background_server(api, runtime) as url,
+        serving_leases(source, cache, pulled.plan, url),
     ):
         reply = httpx.post(f"{url}/chat/completions", json=body, timeout=120)
     if reply.status_code != 200:

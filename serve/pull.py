@@ -81,6 +81,7 @@ class PullRequest:
 def plan_pull(registry: Registry, cache: HostCache, request: PullRequest) -> PullPlan:
     """Fetch the index and signatures, check trust, compatibility and room; move no weights."""
     name, digest = registry.resolve(request.ref)
+    registry.require_index(name, digest)
     index = registry.store.read_bytes(digest)  # verified against the digest
     manifest = decode_index(index, f"package {digest.short()}")
     signatures = registry.signatures(digest)

@@ -38,8 +38,7 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             self.app.state.ready = True
-            host, port = self.servers[0].sockets[0].getsockname()[:2]
-            self.on_ready(f"http://{_display(host)}:{port}/v1")
+            self.on_ready(url_of(self.servers[0].sockets[0]))
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """Drain, then uvicorn's shutdown, within DRAIN_TIMEOUT_S together (a second signal
@@ -59,8 +58,10 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def _display(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
+def url_of(sock: socket.socket) -> str:
+    """The API's base URL on a bound socket."""
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
 
 
 def listen(host: str, port: int) -> socket.socket:

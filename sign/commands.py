@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from flare.cli_common import JsonOption, err, out, print_done, print_json, print_table
+from flare.cli_common import (
+    JsonOption,
+    NoTruncOption,
+    err,
+    out,
+    print_done,
+    print_json,
+    print_table,
+)
 from flare.config import check_signing_unset, load_config, record_signing_key
 from flare.errors import InvalidInputError
 from flare.sign import policy as trust
@@ -60,9 +68,9 @@ def key_generate(
     key = keys.generate_key(keys.parse_key_type(key_type))
     pem = keys.public_pem(key)
     policy = trust.load_policy(config)
-    if not no_default:
-        policy = trust.add_key(policy, publisher, pem)  # refused before anything is written
-        check_signing_unset(config.file)
+    if not no_default:  # both refused before anything is written; the config first: its
+        check_signing_unset(config.file)  # hint works, `trust rm` would not be enough
+        policy = trust.add_key(policy, publisher, pem)
     keys.write_private_key(key, path)
     if not no_default:
         record_signing_key(config.file, path, publisher)
@@ -85,7 +93,7 @@ def key_generate(
 
 
 @key_app.command("ls")
-def key_ls(as_json: JsonOption = False) -> None:
+def key_ls(as_json: JsonOption = False, _no_trunc: NoTruncOption = False) -> None:
     """This host's signing keys: the configured one and those under the config's keys/."""
     config = load_config()
     default = config["signing.key"]
@@ -155,7 +163,7 @@ def _read_text(path: Path) -> str:
 
 
 @trust_app.command("ls")
-def trust_ls(as_json: JsonOption = False) -> None:
+def trust_ls(as_json: JsonOption = False, _no_trunc: NoTruncOption = False) -> None:
     """Trusted publishers, and revoked keys."""
     policy = trust.load_policy(load_config())
     rows = [_trust_row(p, policy) for p in policy.publishers]

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from flare.atomic import write_file_atomic
-from flare.errors import FlareError, InvalidInputError, NotFoundError
+from flare.errors import InvalidInputError, NotFoundError
+from flare.sign.errors import UntrustedError
 from flare.store.names import check_name
 
 if TYPE_CHECKING:  # cryptography: loaded by the functions that read keys, not by importers
@@ -152,8 +153,10 @@ def add_key(policy: TrustPolicy, name: str, pem: str) -> TrustPolicy:
     key = load_public_key(pem, f"the key for {name}")
     publisher = TrustedPublisher(name, fingerprint(key), pem)
     if publisher.fingerprint in policy.revoked:
-        raise FlareError(
-            f"key {publisher.fingerprint} is revoked", "ask the publisher for a new key"
+        raise UntrustedError(
+            f"key {publisher.fingerprint} is revoked on this host (flare trust revoke), so it "
+            f"cannot be trusted as {name} again",
+            "ask the publisher for a new key",
         )
     return _add(policy, publisher)
 
@@ -169,7 +172,7 @@ def _add(policy: TrustPolicy, publisher: TrustedPublisher) -> TrustPolicy:
     if existing == publisher:
         return policy
     if existing is not None:
-        raise FlareError(
+        raise InvalidInputError(
             f"publisher {publisher.name} is already trusted as {existing.signer}",
             f"run flare trust rm {publisher.name} first to replace it",
         )

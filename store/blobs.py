@@ -416,6 +416,15 @@ class BlobStore:
             partial.unlink(missing_ok=True)
         return dest, total
 
+    def stream(self, digest: Digest, sink: BinaryIO, progress: Progress | None = None) -> int:
+        """Write the blob's content to an open stream (stdout), hashed as it goes; a mismatch
+        is raised once the bytes are out, so whoever reads the stream checks the exit status."""
+        with self.open(digest) as reader:
+            hex_digest, total = copy_hashing(reader, sink, progress)
+        sink.flush()
+        self._check_digest(digest, hex_digest)
+        return total
+
     def _check_digest(self, digest: Digest, hex_digest: str) -> None:
         if hex_digest != digest.hex:
             raise IntegrityError(

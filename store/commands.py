@@ -3,6 +3,7 @@ which `flare registry verify` and `flare verify` share."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -13,6 +14,7 @@ from rich.filesize import decimal
 
 from flare.cli_common import (
     JsonOption,
+    NoTruncOption,
     RestoreOption,
     VerifyDryRunOption,
     out,
@@ -21,7 +23,7 @@ from flare.cli_common import (
     progress_bar,
 )
 from flare.config import load_config
-from flare.errors import IntegrityError, NotFoundError
+from flare.errors import IntegrityError, InvalidInputError, NotFoundError
 from flare.store.blobs import BlobStore, PutResult
 from flare.store.digest import Digest, parse_prefix
 from flare.store.reports import VerifyReport
@@ -90,16 +92,24 @@ def _put_fields(result: PutResult) -> dict[str, Any]:
 @store_app.command("get")
 def store_get(
     digest: Annotated[str, typer.Argument(help="Digest or unique prefix (8+ hex digits).")],
-    dest: Annotated[Path, typer.Argument(help="File to write (or a folder to write into).")],
+    dest: Annotated[
+        Path, typer.Argument(help="File to write (or a folder to write into); - for stdout.")
+    ],
     store: StoreOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Write a blob's content to a file, verified against its digest."""
+    """Write a blob's content to a file (or stdout), verified against its digest."""
     parse_prefix(digest)  # a malformed digest is the first thing to report
+    to_stdout = str(dest) == "-"
+    if to_stdout and as_json:
+        raise InvalidInputError("--json and - both want stdout", "write to a file, or drop --json")
     blobs = open_store(store, existing=True)
     resolved = blobs.resolve(digest)
     info = blobs.require(resolved)
     with progress_bar("get", blobs.plain_size(info)) as advance:
+        if to_stdout:
+            blobs.stream(resolved, sys.stdout.buffer, progress=advance)
+            return
         written, size = blobs.get(resolved, dest, progress=advance)
     if as_json:
         print_json({"digest": str(resolved), "dest": str(written), "size": size})
@@ -108,7 +118,9 @@ def store_get(
 
 
 @store_app.command("ls")
-def store_ls(store: StoreOption = None, as_json: JsonOption = False) -> None:
+def store_ls(
+    store: StoreOption = None, as_json: JsonOption = False, _no_trunc: NoTruncOption = False
+) -> None:
     """List the blobs in the store."""
     blobs = open_store(store, existing=True)
     infos = sorted(blobs.iter_blobs(), key=lambda i: i.digest)

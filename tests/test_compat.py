@@ -113,7 +113,17 @@ def test_a_gpu_architecture_mismatch(manifest: Manifest) -> None:
 
 def test_more_ranks_than_devices(manifest: Manifest) -> None:
     message = refusal(changed(manifest, ranks=4))
-    assert "built for 4 ranks; this host has 1 cpu device" in message and "--ranks 1" in message
+    assert "built for 4 ranks;" in message and "this host has 1 cpu device" in message
+    assert "--ranks 1" in message
+
+
+def test_a_multi_rank_package_is_sent_to_a_rebuild_not_to_a_bigger_host(
+    manifest: Manifest,
+) -> None:
+    for ranks in (2, 4):
+        message = refusal(changed(manifest, ranks=ranks), GPU_HOST)
+        assert f"built for {ranks} ranks; this runtime serves one rank per package" in message
+        assert "enough GPUs" not in message and "rebuild it with --ranks 1" in message
 
 
 def test_a_revision_other_than_the_one_built(manifest: Manifest, tmp_path: Path) -> None:

@@ -5,6 +5,8 @@ pip must know flare by a name of its own, and every `pip install` a user is told
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -72,3 +74,23 @@ def test_flare_version_says_the_package_format_and_runtime_abi(run_flare: RunFla
     done = run_flare("--version")
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"flare {__version__} (package format 1, runtime ABI 1)\n"
+
+
+def test_demo_without_the_serve_extra_says_what_to_install_before_building(
+    flare_env: dict[str, str], tmp_path: Path
+) -> None:
+    """httpx (the demo's HTTP client) hidden as pip would leave it out: the demo must stop
+    before it builds or publishes anything."""
+    hide = "import sys; sys.modules['httpx'] = None; from flare.__main__ import main; main()"
+    done = subprocess.run(
+        [sys.executable, "-c", hide, "demo"],
+        env=flare_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"error: flare demo needs httpx, which is not installed; {install_hint('serve')}"
+    ]
+    assert not (tmp_path / "home" / "registry").exists()

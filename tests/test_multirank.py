@@ -159,6 +159,22 @@ def test_a_peer_that_never_arrives_is_named_within_the_timeout(
         assert peer_code == 13 and "rank 2 did not join" in peer_err, peer_err
 
 
+def test_joining_an_unreachable_rank_zero_is_one_line(tmp_path: Path) -> None:
+    """No C++ stack from torch's store client, and no retries past --timeout."""
+    joining = subprocess.Popen(
+        flare("join", f"127.0.0.1:{free_port()}", "--rank", "1", "--timeout", "2"),
+        env=env_for(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    code, _, stderr = collect(joining, within=30)
+    assert code == 13, stderr
+    assert "frame #" not in stderr and "c10d" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "could not reach rank 0" in errors[0] and "within 2 s" in errors[0]
+
+
 def test_a_required_local_checkpoint_that_differs_is_refused(
     checkpoint: Path, tmp_path: Path
 ) -> None:
