@@ -107,6 +107,7 @@ class Rendezvous:
             ) from exc
         address = f"{host}:{store.port}"
         store.set("kind", kind)
+        store.set("timeout", f"{timeout:g}")
         store.set("world", str(world))
         if started is not None:
             started(address)
@@ -225,7 +226,7 @@ class Rendezvous:
                 raise RankError(
                     f"the {self.kind} stopped: {reason}", "see that rank's error; rerun all"
                 )
-            self._check_alive(rank, doing)
+            self.check_alive(rank, doing)
             time.sleep(POLL_S)
 
     def abort(self, reason: str) -> None:
@@ -245,7 +246,7 @@ class Rendezvous:
         except (RuntimeError, OSError):
             pass
 
-    def _check_alive(self, rank: int, doing: str) -> None:
+    def check_alive(self, rank: int, doing: str) -> None:
         """Raise if `rank`'s heartbeat has not moved for the timeout."""
         if rank == self.rank:
             return
@@ -361,13 +362,16 @@ def connect(address: str, rank: int, timeout: float) -> Any:
     return store
 
 
-def group_kind(address: str, rank: int, timeout: float) -> str:
-    """What rank zero's group at `address` is for: `build` or `serve`."""
+def group_kind(address: str, rank: int, timeout: float) -> tuple[str, float]:
+    """What rank zero's group at `address` is for (`build` or `serve`), and its timeout: a
+    serving group's ranks watch each other with rank zero's."""
     store = connect(address, rank, timeout)
     kind = store.get("kind").decode() if store.check(["kind"]) else "build"
     if kind not in KINDS:
         raise RankError(f"rank 0 at {address} runs an unknown kind of group: {kind!r}")
-    return kind
+    if store.check(["timeout"]):
+        timeout = float(store.get("timeout").decode())
+    return kind, timeout
 
 
 def _distributed() -> Any:

@@ -102,6 +102,14 @@ class Engine:
             self._thread.join()
             self._thread = None
 
+    def abort(self, error: BaseException) -> None:
+        """From any thread, when the engine can run no more steps (a tensor-parallel rank was
+        lost, and the engine thread may be stuck in a collective until it times out): refuse
+        new requests and end every one in flight with `error` now."""
+        self._accepting = False
+        for request in list(self._requests.values()):
+            request.handle.push(error)
+
     def _post(self, action: Callable[[], None]) -> None:
         self._inbox.put(action)
         self._wake.set()
