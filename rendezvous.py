@@ -36,7 +36,9 @@ POLL_S = 0.02
 """How often a wait looks at the store: small against any payload's transfer time."""
 
 
-KINDS = ("build", "serve")
+GROUPS = {"build": "build", "serve": "server"}
+"""What each kind of group is called in messages."""
+KINDS = tuple(GROUPS)
 
 
 class RankError(FlareError):
@@ -224,7 +226,7 @@ class Rendezvous:
             if aborted and key != "abort":
                 reason = json.loads(self.store.get("abort"))
                 raise RankError(
-                    f"the {self.kind} stopped: {reason}", "see that rank's error; rerun all"
+                    f"the {GROUPS[self.kind]} stopped: {reason}", "see that rank's error; rerun all"
                 )
             self.check_alive(rank, doing)
             time.sleep(POLL_S)

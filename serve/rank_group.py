@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from flare.rendezvous import Rendezvous
+from flare.rendezvous import RankError, Rendezvous
 from flare.serve.engine.attention import AttentionBackend
 from flare.serve.engine.runner import CausalLM, ModelRunner, StepInput
 from flare.serve.models.shard import Shard
@@ -104,9 +104,9 @@ class LeaderRunner(ModelRunner):
             try:
                 self.group.send({"op": "step", **step.to_json()})
                 return super().run_step(step)
-            except Exception as exc:
+            except Exception as exc:  # a rank is lost: the group can run no more steps
                 self.on_failure(exc)
-                raise
+                raise RankError(f"a step between the ranks failed: {first_line(exc)}") from exc
             finally:
                 self._last = time.monotonic()
 
@@ -143,3 +143,9 @@ def follow(group: RankGroup, runner: ModelRunner) -> None:
             return
         if op == "step":
             runner.run_step(StepInput.from_json(message))
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line (gloo's run on with advice that does not apply here)."""
+    text = str(error).strip()
+    return text.splitlines()[0].split(". ")[0] if text else type(error).__name__

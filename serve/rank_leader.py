@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from flare.errors import FlareError
 from flare.rendezvous import RankError, Rendezvous
-from flare.serve.rank_group import RankGroup
+from flare.serve.rank_group import RankGroup, first_line
 from flare.serve.rank_start import (
     KV_KEY,
     PACKAGE_KEY,
@@ -40,8 +40,10 @@ from flare.serve.runtime import GenerateRuntime
 
 Result = TypeVar("Result")
 
-GRACE_S = 1.0
+GRACE_S = 2.0
 """Between a lost rank and the exit: time for the failed responses to reach their clients."""
+NAMING_S = 1.0
+"""How long a failed step waits for the watch to name the lost rank."""
 CHILD_EXIT_S = 10.0
 """How long rank processes of this host get to exit before they are killed."""
 
@@ -101,12 +103,16 @@ class RankLeader:
         self.watch.start()
 
     def collective_failed(self, error: BaseException) -> None:
-        """A step's send or collective failed: the watch names the rank if it can within the
-        timeout; the failure is reported either way."""
+        """A step's send or collective failed: give the watch a moment to name the rank (a
+        process of this host that died is seen at once), so that the requests in flight end
+        with its name; a rank of another host is named by its heartbeat within the timeout,
+        and the failure is reported then either way."""
+        if self.watch.lost.wait(NAMING_S):
+            return
 
         def name_it() -> None:
             threading.Event().wait(self.rendezvous.timeout)
-            self.watch.report(f"a step between the ranks failed: {error}")
+            self.watch.report(f"a step between the ranks failed: {first_line(error)}")
 
         threading.Thread(target=name_it, name="rank-naming", daemon=True).start()
 

@@ -35,6 +35,8 @@ class Watch:
         self._stop = threading.Event()
         self._reported = threading.Lock()
         self._done = False
+        self.lost = threading.Event()
+        """Set once a loss was reported."""
         self._thread = threading.Thread(target=self._run, name="rank-watch", daemon=True)
 
     def start(self) -> None:
@@ -50,6 +52,7 @@ class Watch:
             if self._done or self._stop.is_set():
                 return
             self._done = True
+        self.lost.set()
         self.on_lost(reason)
 
     def _run(self) -> None:

@@ -89,14 +89,15 @@ def _load(
 
 
 def _guarded(rendezvous: Rendezvous, doing: str, action: Callable[..., Done], *args: Any) -> Done:
-    """Run `action`; if it fails, every rank stops with this rank's reason."""
+    """Run `action`; if it fails, every rank stops with this rank's reason (the abort names
+    the rank)."""
     try:
         return action(*args)
     except FlareError as exc:
-        rendezvous.abort(f"rank {rendezvous.rank} {doing}: {exc}")
+        rendezvous.abort(f"{doing}: {exc}")
         raise
     except Exception as exc:
-        rendezvous.abort(f"rank {rendezvous.rank} {doing}: {type(exc).__name__}: {exc}")
+        rendezvous.abort(f"{doing}: {type(exc).__name__}: {exc}")
         raise
 
 
