@@ -36,6 +36,7 @@ from flare.serve.runtime import GenerateRuntime, load_runtime
 
 CASES = [(name, ranks) for name in ("llama", "qwen3") for ranks in RANKS[1:]]
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +50,9 @@ def prompt(length: int = 64) -> list[int]:
 
 def rank_runner(manifest, files, rank: int, group) -> ModelRunner:  # type: ignore[no-untyped-def]
     shard = Shard(rank, manifest.ranks, group)
-    model = load_model(PackageFiles(manifest, files), torch.device("cpu"), torch.float32, shard)
-    attention = TorchPagedAttention(model.attention_spec, 16 * 16, torch.float32, model_device())
-    return ModelRunner(model, attention, 16, model_device())
-
-
-def model_device() -> torch.device:
-    return torch.device("cpu")
+    model = load_model(PackageFiles(manifest, files), CPU, torch.float32, shard)
+    attention = TorchPagedAttention(model.attention_spec, 16 * 16, torch.float32, CPU)
+    return ModelRunner(model, attention, 16, CPU)
 
 
 def greedy(runner: ModelRunner, ids: list[int], tokens: int) -> tuple[torch.Tensor, list[int]]:
@@ -109,7 +106,7 @@ def test_a_rank_reads_only_the_shared_payloads_and_its_own(home: Path, tmp_path:
     def load(rank: int, group) -> int:  # type: ignore[no-untyped-def]
         chosen = mine if rank == 1 else files
         model = load_model(
-            PackageFiles(manifest, chosen), model_device(), torch.float32, Shard(rank, 2, group)
+            PackageFiles(manifest, chosen), CPU, torch.float32, Shard(rank, 2, group)
         )
         return sum(p.numel() for p in model.parameters())
 

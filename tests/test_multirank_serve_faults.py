@@ -6,6 +6,7 @@ Nothing may hang: every wait here is bounded, and every process must be gone at 
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import httpx
 import openai
 import pytest
 from multirank_serving import TIMEOUT, Server, alive, build_home, flare, flare_env, package
+from test_multirank import _make_namespaces as make_namespaces
 
 from flare.serve.runtime import GenerateRuntime, SamplingParams, load_runtime
 
@@ -74,8 +76,6 @@ def test_a_killed_rank_is_named_fails_requests_and_stops_every_rank(server: Serv
     asking.start()
     assert started.wait(30)
     rank1_killed = time.monotonic()
-    import os
-
     os.kill(rank1, signal.SIGKILL)
     health = watch_health(server, 30)
     asking.join(30)
@@ -91,8 +91,6 @@ def test_a_killed_rank_is_named_fails_requests_and_stops_every_rank(server: Serv
 
 def test_a_rank_that_stops_answering_is_named_within_the_timeout(server: Server) -> None:
     (rank1,) = server.ranks()
-    import os
-
     os.kill(rank1, signal.SIGSTOP)
     stopped = time.monotonic()
     _, stderr = server.process.communicate(timeout=60)
@@ -129,16 +127,20 @@ def other_host(root: Path, home: Path, trust: bool) -> dict[str, str]:
     return env
 
 
-def start_rank_zero(home: Path, address: str) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "flare", "serve", "llama:r2", "--port", "0"]
+def start_rank_zero(
+    home: Path, address: str, wrap: list[str] | None = None
+) -> subprocess.Popen[str]:
+    command = [*(wrap or []), sys.executable, "-m", "flare", "serve", "llama:r2", "--port", "0"]
     command += ["--device", "cpu", "--ranks", "2", "--rendezvous", address, "--timeout", TIMEOUT]
     return subprocess.Popen(
         command, env=flare_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 
-def join(env: dict[str, str], home: Path, address: str) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "flare", "join", address, "--rank", "1"]
+def join(
+    env: dict[str, str], home: Path, address: str, wrap: list[str] | None = None
+) -> subprocess.Popen[str]:
+    command = [*(wrap or []), sys.executable, "-m", "flare", "join", address, "--rank", "1"]
     command += ["--registry", str(home / "registry")]
     return subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
 
@@ -180,6 +182,44 @@ def test_rendezvous_and_join_serve_across_two_homes(
             if process.poll() is None:
                 process.kill()
             process.communicate()
+
+
+def test_rendezvous_and_join_across_two_network_namespaces(
+    home: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Two "hosts" (network namespaces joined by a veth pair, as the build test makes them):
+    rank zero serves at 10.213.0.1, the joiner pulls into its own FLARE_HOME; a client in
+    rank zero's namespace is answered."""
+    names = [f"flare{os.getpid()}sa", f"flare{os.getpid()}sb"]
+    if not make_namespaces(names):
+        pytest.skip("network namespaces and veth pairs are not available here")
+    address = "10.213.0.1:29511"
+    zero = start_rank_zero(home, address, wrap=["ip", "netns", "exec", names[0]])
+    env = other_host(tmp_path_factory.mktemp("host-ns"), home, trust=True)
+    peer = join(env, home, address, wrap=["ip", "netns", "exec", names[1]])
+    try:
+        line = zero.stdout.readline() if zero.stdout else ""
+        assert "http://" in line, zero.stderr.read() if zero.stderr else ""
+        url = line[line.index("http://") :].split()[0]
+        body = '{"model": "llama", "prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}'
+        ask = ["ip", "netns", "exec", names[0], "curl", "-sf", f"{url}/completions"]
+        answer = subprocess.run(
+            [*ask, "-H", "content-type: application/json", "-d", body],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert answer.returncode == 0 and '"completion_tokens":8' in answer.stdout, answer
+        zero.send_signal(signal.SIGTERM)
+        assert zero.wait(60) == 0
+        assert peer.wait(30) == 0
+    finally:
+        for process in (zero, peer):
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 def test_a_joining_host_that_refuses_the_package_stops_every_rank(
