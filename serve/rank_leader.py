@@ -85,7 +85,7 @@ class RankLeader:
     def _offer(self, notice: PackageNotice) -> None:
         self.rendezvous.post(PACKAGE_KEY, notice.__dict__)
         wait_admitted(self.rendezvous)
-        device = rank_device(notice.device, 0, notice.shared_cache)
+        device = rank_device(notice.device, 0, self.rendezvous.world, notice.shared_cache)
         self.group = make_group(self.rendezvous, device)
 
     def ready(self, runtime: GenerateRuntime, load_seconds: float) -> None:

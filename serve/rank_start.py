@@ -58,9 +58,13 @@ class PackageNotice:
         )
 
 
-def rank_device(device: str, rank: int, shared_host: bool) -> torch.device:
-    """The device this rank runs on: GPU R of a host that runs every rank, else GPU 0."""
+def rank_device(device: str, rank: int, world: int, shared_host: bool) -> torch.device:
+    """The device this rank runs on: GPU R of a host that runs every rank, else GPU 0; on a
+    CPU host that runs every rank, its share of the cores (N processes each using all of them
+    would contend for every core and wait on each other in every collective)."""
     if device != "cuda":
+        if shared_host:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         return torch.device("cpu")
     index = rank if shared_host else 0
     torch.cuda.set_device(index)

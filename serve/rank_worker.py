@@ -75,7 +75,7 @@ def _load(
     """This rank's part of the model and its KV cache, as rank zero sized it."""
     started = time.perf_counter()
     manifest, files, quarantine = obtained
-    device = rank_device(notice.device, rendezvous.rank, notice.shared_cache)
+    device = rank_device(notice.device, rendezvous.rank, rendezvous.world, notice.shared_cache)
     group = make_group(rendezvous, device)
     dtype = DTYPES[notice.dtype]
     model = load_model(PackageFiles(manifest, files, quarantine), device, dtype, group.shard)
