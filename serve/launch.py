@@ -164,7 +164,9 @@ def start_ranks(
             f"give --ranks {manifest.ranks}, and start that many ranks",
         )
     leader = RankLeader.start(rendezvous, manifest.ranks, timeout)
-    dtype = str(default_dtype(_torch_device(plan.device))).removeprefix("torch.")
+    import torch
+
+    dtype = str(default_dtype(torch.device(plan.device))).removeprefix("torch.")
     notice = PackageNotice(str(plan.digest), plan.name, plan.device, dtype, rendezvous is None)
     leader.offer(notice)
     return leader
@@ -202,12 +204,6 @@ def _obtain(notice: PackageNotice, rank: int, registry: str | None, accept: str 
         )
         manifest = report.plan.manifest
     return manifest, cache.files(manifest, (rank,)), cache.quarantine_if_corrupt
-
-
-def _torch_device(name: str) -> Any:
-    import torch
-
-    return torch.device(name)
 
 
 def _created(source: Registry, plan: PullPlan) -> int:

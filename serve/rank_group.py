@@ -128,7 +128,10 @@ class LeaderRunner(ModelRunner):
         """After the drain: every other rank leaves its loop and exits 0."""
         self._stopped.set()
         with self._lock:
-            self.group.send({"op": "stop"})
+            try:
+                self.group.send({"op": "stop"})
+            except Exception as exc:  # a rank was lost while the server drained
+                raise RankError(f"could not stop the other ranks: {first_line(exc)}") from exc
         if self._ticker.is_alive():
             self._ticker.join()
 

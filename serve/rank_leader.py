@@ -57,7 +57,7 @@ class RankLeader:
         self.group: RankGroup | None = None
         self.runtime: GenerateRuntime | None = None
         self.watch = Watch(rendezvous, self._lost, children)
-        self._exit: Callable[[int], None] = os._exit
+        self._abandoned = False
 
     @classmethod
     def start(cls, address: str | None, world: int, timeout: float) -> RankLeader:
@@ -117,13 +117,21 @@ class RankLeader:
         threading.Thread(target=name_it, name="rank-naming", daemon=True).start()
 
     def close(self) -> None:
-        """After a clean stop (the runtime stopped the ranks): wait for them, close the group."""
+        """After a clean stop (the runtime stopped the ranks): keep the store up until every
+        rank has left (a rank that saw it close first would take rank zero for lost), wait
+        for this host's, close the group."""
         self.watch.stop()
+        left = [f"left/{rank}" for rank in range(1, self.rendezvous.world)]
+        self.rendezvous.linger(left, CHILD_EXIT_S)
         wait_children(self.children, CHILD_EXIT_S)
         self.rendezvous.close()
 
     def abandon(self, reason: str) -> None:
-        """Rank zero failed before serving: tell the ranks, so they stop with its reason."""
+        """Rank zero failed before serving: tell the ranks, so they stop with its reason
+        (again is a no-op)."""
+        if self._abandoned:
+            return
+        self._abandoned = True
         self.rendezvous.abort(reason)
         wait_children(self.children, CHILD_EXIT_S)
         self.rendezvous.close()
@@ -148,7 +156,7 @@ class RankLeader:
         self.rendezvous.abort(reason)
         threading.Event().wait(GRACE_S)
         wait_children(self.children, CHILD_EXIT_S)
-        self._exit(RankError.exit_code)
+        os._exit(RankError.exit_code)
 
 
 LOST_HINT = "see that rank's error (or its host), then start the server and its ranks again"

@@ -10,8 +10,8 @@ in order, each a key of the store that the waiting side watches with the poster'
    other ranks share its host cache); each other rank obtains the package (from rank zero's
    host cache, or by its own pull, admission included) and posts `serve/admitted/R`, or posts
    the group's abort with its reason, which stops every rank;
-2. rank zero loads its part and posts `serve/kv` (KV blocks, block size, attention backend,
-   dtype): every rank's cache has the same blocks, each for its own KV heads;
+2. rank zero loads its part and posts `serve/kv` (KV blocks, block size, attention backend):
+   every rank's cache has the same blocks, each for its own KV heads;
 3. each other rank loads its part, allocates its cache and posts `serve/ready/R` with what its
    load cost; rank zero says ready once all have.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import resource
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -117,7 +116,3 @@ def child_environment() -> dict[str, str]:
     """A spawned rank's environment: NCCL's NVLink multicast off (it needs a fabric manager
     these hosts may lack), and the C++ logs cut to errors."""
     return {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_CPP_LOG_LEVEL": "ERROR"}
-
-
-def since(started: float) -> float:
-    return time.perf_counter() - started

@@ -417,8 +417,8 @@ def _default_kv_tokens(
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(max(0, free - reserve) * GPU_KV_FRACTION)
-    else:
-        budget = CPU_KV_BYTES
+    else:  # the ranks of a CPU host share its budget (each caches its own KV heads)
+        budget = CPU_KV_BYTES // getattr(getattr(model, "shard", None), "world", 1)
     per_token = model.attention_spec.bytes_per_token(dtype)
     return min(budget // per_token, model.context_length * MAX_NUM_SEQS)
 

@@ -56,7 +56,3 @@ class Shard:
         self.group.allgather([parts], [tensor]).wait()
         self.collective_seconds += time.perf_counter() - started
         return torch.cat(parts, dim=-1)
-
-
-ONE = Shard()
-"""The whole model in one process."""
