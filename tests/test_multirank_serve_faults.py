@@ -230,8 +230,14 @@ def test_a_joining_host_that_refuses_the_package_stops_every_rank(
     address = f"127.0.0.1:{free_port()}"
     zero = start_rank_zero(home, address)
     peer = join(other_host(tmp_path_factory.mktemp("host-c"), home, trust=False), home, address)
-    _, zero_err = zero.communicate(timeout=60)
-    _, peer_err = peer.communicate(timeout=60)
+    try:
+        _, zero_err = zero.communicate(timeout=60)
+        _, peer_err = peer.communicate(timeout=60)
+    finally:
+        for process in (zero, peer):
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
     assert peer.returncode not in (0, EXIT_RANK), peer_err
     assert zero.returncode == EXIT_RANK, zero_err
     assert "the server stopped: rank 1: refused the package" in zero_err
