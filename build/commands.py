@@ -18,6 +18,7 @@ from rich.progress import Progress, TaskID
 
 from flare.build.target import MAX_CONCURRENCY, PREFILL_CHUNK
 from flare.cli_common import (
+    AcceptOption,
     JsonOption,
     RegistryOption,
     bar_columns,
@@ -78,7 +79,9 @@ class BuildProgress:
 TimeoutOption = Annotated[
     float,
     typer.Option(
-        min=1, help="Seconds a rank may take to join or stay silent before the build stops."
+        min=1,
+        help="Seconds a rank may take to join or stay silent before the build stops (a "
+        "server's ranks take rank zero's --timeout).",
     ),
 ]
 
@@ -310,10 +313,19 @@ def join_command(
     workers: Annotated[int | None, typer.Option(min=1, help="Payloads written at once.")] = None,
     rehash: Annotated[bool, typer.Option(help="Hash the local checkpoint again.")] = False,
     timeout: TimeoutOption = 300.0,
+    accept: AcceptOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Take part as rank R in a build rank zero runs with --rendezvous HOST:PORT."""
+    """Take part as rank R in a build or a server rank zero runs with --rendezvous HOST:PORT."""
     from flare.build.join import LOCAL_MODES, Join, JoinRequest
+    from flare.rendezvous import group_kind
+
+    kind, group_timeout = group_kind(address, rank, timeout)
+    if kind == "serve":
+        from flare.serve.launch import join_serve
+
+        join_serve(address, rank, group_timeout, registry, accept)
+        return
 
     if local_checkpoint not in (None, *LOCAL_MODES):
         raise InvalidInputError(

@@ -24,12 +24,12 @@ from flare.build.payloads import payload_key, payload_stream, store_payload
 from flare.build.phases import Events, PhaseLog, PhaseReport
 from flare.build.plan import PlannedPayload
 from flare.build.ranks import TAG_DOWN, TAG_UP, TOKEN_DIR
-from flare.build.rendezvous import Rendezvous
 from flare.build.sources import Source, resolve_source
 from flare.build.statcache import StatCache, digest_files
 from flare.errors import FlareError, IntegrityError, NotFoundError
 from flare.faults import crash_point
 from flare.registry.leases import Lease, add_to_lease, hold_lease
+from flare.rendezvous import Rendezvous
 from flare.store.blobs import BlobStore, PutResult
 from flare.store.digest import Digest
 from flare.store.encoding import Encoding

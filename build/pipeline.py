@@ -32,7 +32,6 @@ from flare.build.plan import PAYLOAD_BYTES, PlannedPayload, plan_payloads
 from flare.build.ranks import Leader
 from flare.build.recipes import recipe_for
 from flare.build.recipes.base import Recipe, check_tensors
-from flare.build.rendezvous import Rendezvous
 from flare.build.sources import Source, resolve_source
 from flare.build.statcache import StatCache, digest_files
 from flare.build.target import (
@@ -48,6 +47,7 @@ from flare.faults import crash_point
 from flare.model_sizes import check_sizes
 from flare.registry.leases import Lease, add_to_lease, hold_lease, outlast_caches
 from flare.registry.registry import Registry
+from flare.rendezvous import Rendezvous
 from flare.store import trash
 from flare.store.digest import Digest
 from flare.store.hashing import FileState, check_unchanged, hash_bytes

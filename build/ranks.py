@@ -23,8 +23,8 @@ from typing import Any
 
 from flare.build.payloads import PayloadWriter, WrittenPayload, planned_size
 from flare.build.plan import PlannedPayload
-from flare.build.rendezvous import Rendezvous
 from flare.errors import IntegrityError
+from flare.rendezvous import Rendezvous
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
 

@@ -241,6 +241,8 @@ class _Routes:
         """flare_build_info's labels."""
 
     async def health(self, request: Request) -> JSONResponse:
+        if self.runtime.failure is not None:
+            return JSONResponse({"status": "failed", "error": self.runtime.failure}, 503)
         if request.app.state.drain.begun:
             return JSONResponse({"status": "draining"}, 503)
         ready = bool(request.app.state.ready)

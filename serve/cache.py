@@ -199,10 +199,11 @@ class HostCache:
         removal.blobs += 1
         self.store.backend.remove(blob_key(digest, info.encoding))
 
-    def files(self, manifest: Manifest) -> dict[str, Path]:
-        """Every blob of the package as a local file, keyed by its digest text."""
+    def files(self, manifest: Manifest, ranks: tuple[int, ...] | None = None) -> dict[str, Path]:
+        """Every blob of the package (of `ranks`' share) as a local file, keyed by its
+        digest text."""
         paths = {}
-        for digest in manifest.blobs():
+        for digest in manifest.blobs(ranks):
             self.store.require(digest)
             paths[str(digest)] = self.store.backend.local_path(blob_key(digest, Encoding.PLAIN))
         return paths  # type: ignore[return-value]

@@ -132,10 +132,36 @@ def serve_command(
             "serve.body_timeout)."
         ),
     ] = None,
+    ranks: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="The ranks of a multi-rank package (checked against it); see --rendezvous."
+        ),
+    ] = None,
+    rendezvous: Annotated[
+        str | None,
+        typer.Option(
+            metavar="HOST:PORT",
+            help="Serve rank zero of a multi-rank package here; the other hosts run "
+            "`flare join HOST:PORT --rank R` (default: every rank on this host).",
+        ),
+    ] = None,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            min=1,
+            help="Seconds a rank may take to join or stay silent before the server stops.",
+        ),
+    ] = 30.0,
 ) -> None:
     """Pull, verify and check a package, then serve it behind an OpenAI-compatible API (a
     checkpoint folder or hub id is built and published first)."""
-    from flare.serve.launch import load_package_app, pull_into_cache, require_serve_extra
+    from flare.serve.launch import (
+        load_package_app,
+        pull_into_cache,
+        require_serve_extra,
+        start_ranks,
+    )
 
     require_serve_extra()
     limits = _body_limits(max_body_size, body_timeout)
@@ -148,23 +174,34 @@ def serve_command(
         ref = build_to_serve(ref, registry)
     times = {"start": time.perf_counter()}
     source, cache, report = pull_into_cache(
-        ref, registry, device, revision, accept, compile_on_start
+        ref, registry, device, revision, accept, compile_on_start, (0,) if rendezvous else None
     )
     plan = report.plan
     times["pulled"] = time.perf_counter()
     with serving_leases(source, cache, plan, url_of(sock)):
-        runtime, app = load_package_app(
-            source,
-            cache,
-            plan,
-            kv_cache_tokens,
-            api_key,
-            attention.value,
-            limits,
-            "start" if compile_on_start else "package",
-        )
+        leader = None
+        if plan.manifest.ranks > 1 or rendezvous is not None:
+            leader = start_ranks(plan, rendezvous, ranks, timeout)
+        try:
+            runtime, app = load_package_app(
+                source,
+                cache,
+                plan,
+                kv_cache_tokens,
+                api_key,
+                attention.value,
+                limits,
+                "start" if compile_on_start else "package",
+                leader,
+            )
+        except BaseException as exc:
+            if leader is not None:
+                leader.abandon(f"rank 0 could not load its part: {exc}")
+            raise
         times["loaded"] = time.perf_counter()
         run_server(app, runtime, sock, _say_ready(plan, runtime, times))
+        if leader is not None:
+            leader.close()
 
 
 def _body_limits(max_body_size: str | None, body_timeout: str | None) -> BodyLimits:
@@ -200,7 +237,20 @@ def _say_ready(plan: PullPlan, runtime: Runtime, times: dict[str, float]) -> Cal
             load=times["loaded"] - times["pulled"],
             total=now - times["start"],
         )
+        ranks = runtime.rank_stats()
+        if ranks:
+            timeline += f"; {len(ranks)} ranks: {_describe_ranks(ranks)}"
         sys.stdout.write(f"serving {plan.manifest.name}@{plan.digest} at {url} ({timeline})\n")
         sys.stdout.flush()
 
     return ready
+
+
+def _describe_ranks(ranks: dict[int, dict[str, float]]) -> str:
+    """Each rank's load time and memory (weights and KV cache), for the ready line."""
+    parts = []
+    for rank, figures in sorted(ranks.items()):
+        memory = int(figures.get("rank_weight_bytes", 0) + figures.get("rank_kv_bytes", 0))
+        seconds = figures.get("rank_load_seconds", 0)
+        parts.append(f"rank {rank} load {seconds:.2f} s, {decimal(memory)}")
+    return "; ".join(parts)

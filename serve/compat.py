@@ -87,11 +87,17 @@ def detect_toolchain(
     )
 
 
-def check_compatible(manifest: Manifest, host: HostToolchain, revision: str | None = None) -> None:
-    """Refuse a package this host cannot run, naming the first difference and the fix."""
+def check_compatible(
+    manifest: Manifest,
+    host: HostToolchain,
+    revision: str | None = None,
+    ranks: tuple[int, ...] | None = None,
+) -> None:
+    """Refuse a package this host cannot run (`ranks`: the ranks it serves; None: all),
+    naming the first difference and the fix."""
     _check_runtime(manifest, host)
     _check_toolchain(manifest, host)
-    _check_ranks(manifest, host)
+    _check_ranks(manifest, host, len(ranks) if ranks is not None else manifest.ranks)
     if revision is not None:
         check_revision(manifest, revision)
 
@@ -171,14 +177,15 @@ def _check_target(manifest: Manifest, host: HostToolchain) -> None:
         )
 
 
-def _check_ranks(manifest: Manifest, host: HostToolchain) -> None:
-    """The one place that says which rank counts this runtime serves (no host serves a
-    multi-rank package yet, so no hint may send the user to one)."""
-    if manifest.ranks > 1:
+def _check_ranks(manifest: Manifest, host: HostToolchain, here: int) -> None:
+    """Each rank a host serves takes a GPU of its own on CUDA (a process of its own on CPU,
+    which any host can start)."""
+    if host.device == "cuda" and here > host.devices:
         raise IncompatibleError(
-            f"{manifest.name} is built for {manifest.ranks} ranks; this runtime serves one rank "
-            f"per package so far (this host has {host.devices} {host.device} device(s))",
-            "rebuild it with --ranks 1 to serve it",
+            f"{manifest.name} is built for {manifest.ranks} ranks, {here} of them on this host; "
+            f"this host has {host.devices} cuda device(s)",
+            "serve it on a host with enough GPUs, spread the ranks over hosts with "
+            f"--rendezvous and flare join, or rebuild it with --ranks {host.devices}",
         )
 
 

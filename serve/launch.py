@@ -18,7 +18,7 @@ from rich.filesize import decimal
 
 from flare.cli_common import err, progress_bar
 from flare.config import load_config
-from flare.errors import FlareError
+from flare.errors import FlareError, InvalidInputError
 from flare.extras import install_hint
 from flare.registry.commands import open_registry
 from flare.registry.registry import Registry
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from flare.serve.limits import BodyLimits
+    from flare.serve.rank_leader import RankLeader
+    from flare.serve.rank_start import PackageNotice
+    from flare.serve.rank_worker import Obtained
     from flare.serve.runtime import Runtime
 
 
@@ -57,9 +60,11 @@ def pull_into_cache(
     revision: str | None,
     accept: str | None,
     compiles: bool = False,
+    ranks: tuple[int, ...] | None = None,
 ) -> tuple[Registry, HostCache, PullReport]:
     """Admission (signature, compatibility, disk, memory), then the missing blobs, with a bar.
     `compiles`: the server compiles at start, so compiled artifacts need not match this host.
+    `ranks`: the tensor-parallel ranks this host serves (None: all), whose share is pulled.
 
     Returns the source registry, the host cache and the pull report."""
     require_serve_extra()
@@ -79,6 +84,7 @@ def pull_into_cache(
         reserve=config["memory.reserve"] + kv_cache_reservation(chosen),
         revision=revision,
         accept_publisher=accept,
+        ranks=ranks,
     )
     plan = plan_pull(source, cache, request)
     if plan.verdict.accepted_dangerously:
@@ -97,16 +103,18 @@ def load_package_app(
     attention: str = "auto",
     limits: BodyLimits | None = None,
     compile_mode: str = "package",
+    leader: RankLeader | None = None,
 ) -> tuple[Runtime, FastAPI]:
     """Load the pulled package on the device pull admitted it for (printing what it cost)
-    and make its API app."""
+    and make its API app; a multi-rank package as rank zero of `leader`'s group, once every
+    rank has loaded its part."""
     from flare.serve.api import ServedPackage, create_app
-    from flare.serve.runtime import load_runtime
+    from flare.serve.runtime import GenerateRuntime, load_runtime
 
     started = time.perf_counter()
     runtime = load_runtime(
         plan.manifest,
-        cache.files(plan.manifest),
+        cache.files(plan.manifest, (0,) if leader is not None else None),
         plan.device,
         kv_cache_tokens,
         memory_reserve=load_config()["memory.reserve"],
@@ -114,7 +122,14 @@ def load_package_app(
         quarantine=cache.quarantine_if_corrupt,
         compile_mode=compile_mode,
         compile_root=cache.root / "compiled",
+        group=leader.group if leader is not None else None,
+        on_group_failure=leader.collective_failed if leader is not None else None,
     )
+    ranks_text = ""
+    if leader is not None:
+        assert isinstance(runtime, GenerateRuntime)
+        leader.ready(runtime, time.perf_counter() - started)
+        ranks_text = f"; rank 0 of {plan.manifest.ranks}, every rank loaded"
     weights = sum(p.size for p in plan.manifest.payloads)
     kv = runtime.kv_stats()
     kv_text = ""
@@ -123,7 +138,7 @@ def load_package_app(
         kv_text = f"; KV cache {tokens} tokens, {runtime.attention} attention"
     err.print(
         f"loaded {plan.manifest.name} ({decimal(weights)} of weights) on {plan.device} in "
-        f"{time.perf_counter() - started:.2f} s{kv_text}",
+        f"{time.perf_counter() - started:.2f} s{kv_text}{ranks_text}",
         markup=False,
     )
     package = ServedPackage(
@@ -133,6 +148,70 @@ def load_package_app(
         created=_created(source, plan),
     )
     return runtime, create_app(runtime, package, api_key, limits)
+
+
+def start_ranks(
+    plan: PullPlan, rendezvous: str | None, ranks: int | None, timeout: float
+) -> RankLeader:
+    """Rank zero of a multi-rank package: host the group (at `rendezvous`, where the other
+    hosts join; else on loopback, starting the other ranks here), and wait until every rank
+    has the package and admitted it."""
+    from flare.rendezvous import RankError
+    from flare.serve.rank_leader import RankLeader
+    from flare.serve.rank_start import PackageNotice
+    from flare.serve.runtime import default_dtype
+
+    manifest = plan.manifest
+    if manifest.ranks == 1:
+        raise InvalidInputError(
+            f"{manifest.name} is built for one rank: it needs no --rendezvous", "drop it"
+        )
+    if ranks is not None and ranks != manifest.ranks:
+        raise RankError(
+            f"--ranks {ranks}, but {manifest.name} is built for {manifest.ranks} ranks",
+            f"give --ranks {manifest.ranks}, and start that many ranks",
+        )
+    leader = RankLeader.start(rendezvous, manifest.ranks, timeout)
+    import torch
+
+    dtype = str(default_dtype(torch.device(plan.device))).removeprefix("torch.")
+    notice = PackageNotice(str(plan.digest), plan.name, plan.device, dtype, rendezvous is None)
+    leader.offer(notice)
+    return leader
+
+
+def join_serve(
+    address: str, rank: int, timeout: float, registry: str | None, accept: str | None
+) -> None:
+    """`flare join` on a serving group: this host's rank, until rank zero stops it."""
+    from flare.rendezvous import Rendezvous
+    from flare.serve.rank_worker import serve_rank
+
+    require_serve_extra()
+    rendezvous = Rendezvous.join(address, rank, timeout, kind="serve")
+    try:
+        serve_rank(rendezvous, lambda notice: _obtain(notice, rank, registry, accept))
+    finally:
+        rendezvous.say_goodbye()
+        rendezvous.close()
+
+
+def _obtain(notice: PackageNotice, rank: int, registry: str | None, accept: str | None) -> Obtained:
+    """The package rank zero names: from rank zero's host cache on its own host, else pulled
+    into this host's cache, with this host's admission for this rank's share."""
+    from flare.store.digest import Digest
+    from flare.store.package import decode_index
+
+    if notice.shared_cache:
+        cache = HostCache(load_config()["paths.package_cache"])
+        digest = Digest.parse(notice.digest)
+        manifest = decode_index(cache.store.read_bytes(digest), f"package {digest.short()}")
+    else:
+        _source, cache, report = pull_into_cache(
+            notice.ref(), registry, notice.device, None, accept, ranks=(rank,)
+        )
+        manifest = report.plan.manifest
+    return manifest, cache.files(manifest, (rank,)), cache.quarantine_if_corrupt
 
 
 def _created(source: Registry, plan: PullPlan) -> int:

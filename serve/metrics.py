@@ -32,6 +32,8 @@ COUNTERS = {
     "compilations",
 }
 """Figures that only grow; the others are levels (running, waiting, blocks used)."""
+RANK_GAUGES = {"rank_weight_bytes", "rank_kv_bytes", "rank_load_seconds", "rank_peak_rss_bytes"}
+"""Per-rank figures that are levels; the others (collective and send seconds) grow."""
 
 
 class RuntimeCollector:
@@ -50,6 +52,19 @@ class RuntimeCollector:
         for key, value in sorted(figures.items()):
             kind = CounterMetricFamily if key in COUNTERS else GaugeMetricFamily
             yield kind(f"flare_{key}", key.replace("_", " "), value=value)
+        yield from _rank_metrics(self.runtime.rank_stats())
+
+
+def _rank_metrics(ranks: Mapping[int, Mapping[str, float]]) -> Iterator[Metric]:
+    """Per tensor-parallel rank figures, one family each, labelled rank="R"."""
+    keys = sorted({key for figures in ranks.values() for key in figures})
+    for key in keys:
+        kind = GaugeMetricFamily if key in RANK_GAUGES else CounterMetricFamily
+        family = kind(f"flare_{key}", key.replace("_", " "), labels=["rank"])
+        for rank, figures in sorted(ranks.items()):
+            if key in figures:
+                family.add_metric([str(rank)], figures[key])
+        yield family
 
 
 def render_metrics(runtime: Runtime, build: Mapping[str, str]) -> tuple[str, str]:

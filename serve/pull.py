@@ -76,6 +76,9 @@ class PullRequest:
     """Memory to leave free beyond the weights: memory.reserve plus what the KV cache takes."""
     revision: str | None = None
     accept_publisher: str | None = None
+    ranks: tuple[int, ...] | None = None
+    """The tensor-parallel ranks this host serves (None: all of them): admission sizes, and
+    the pull copies, their payloads and the shared ones only."""
 
 
 def plan_pull(registry: Registry, cache: HostCache, request: PullRequest) -> PullPlan:
@@ -86,7 +89,7 @@ def plan_pull(registry: Registry, cache: HostCache, request: PullRequest) -> Pul
     manifest = decode_index(index, f"package {digest.short()}")
     signatures = registry.signatures(digest)
     verdict = check_trusted(signatures, digest, manifest, request.policy, request.accept_publisher)
-    check_compatible(manifest, request.host, request.revision)
+    check_compatible(manifest, request.host, request.revision, request.ranks)
     admission = admit(registry, cache, manifest, request)
     device = request.host.device
     return PullPlan(name, digest, manifest, index, signatures, verdict, admission, device)
@@ -97,7 +100,7 @@ def admit(
 ) -> Admission:
     """Refuse, before any copy, a package whose manifest misstates its blobs' sizes (disk
     and memory are sized by them) or that the host has no disk or memory for."""
-    sizes, missing_digests = stored_sizes(registry, cache, manifest)
+    sizes, missing_digests = stored_sizes(registry, cache, manifest, request.ranks)
     check_sizes(manifest, sizes, f"package {manifest.name}")
     missing = [(d, sizes[d]) for d in missing_digests]
     linked = cache.links_from(registry.store)
@@ -108,7 +111,7 @@ def admit(
         disk_needed=disk_needed,
         disk_free=disk_free,
         linked=linked,
-        memory_needed=weight_bytes(manifest, request.host.device) + request.reserve,
+        memory_needed=weight_bytes(manifest, request.host.device, request.ranks) + request.reserve,
         memory_free=free_memory(request.host.device),
     )
     _check_room(manifest, cache, admission)
@@ -116,13 +119,16 @@ def admit(
 
 
 def stored_sizes(
-    registry: Registry, cache: HostCache, manifest: Manifest
+    registry: Registry,
+    cache: HostCache,
+    manifest: Manifest,
+    ranks: tuple[int, ...] | None = None,
 ) -> tuple[dict[Digest, int], list[Digest]]:
     """Each blob's real size (the registry's, which pull copies from; the cache's for a blob
-    only the cache still has), and the blobs the cache lacks."""
+    only the cache still has), and the blobs the cache lacks (of `ranks`' share)."""
     sizes: dict[Digest, int] = {}
     missing = []
-    for digest in manifest.blobs():
+    for digest in manifest.blobs(ranks):
         cached = cache.store.locate(digest)
         source = registry.store.locate(digest)
         if source is not None:
@@ -156,13 +162,17 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / (1 << 20):.1f} MiB"
 
 
-def weight_bytes(manifest: Manifest, device: str) -> int:
-    """The weights' size once loaded: CPU runs in float32, GPUs in the stored dtype."""
+def weight_bytes(manifest: Manifest, device: str, ranks: tuple[int, ...] | None = None) -> int:
+    """The weights' size once loaded (of `ranks`' share, a shared payload once per rank):
+    CPU runs in float32, GPUs in the stored dtype."""
     total = 0
     for payload in manifest.payloads:
+        copies = len(set(payload.ranks) & set(ranks)) if ranks is not None else len(payload.ranks)
+        if not copies:
+            continue
         for tensor in payload.tensors:
             itemsize = 4 if device == "cpu" else DTYPE_SIZES[tensor.dtype]
-            total += math.prod(tensor.shape) * itemsize
+            total += math.prod(tensor.shape) * itemsize * copies
     return total
 
 

@@ -12,7 +12,7 @@ import datetime
 import json
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from flare.serve.engine.sequence import SamplingParams, TokenLogprob
 from flare.serve.inductor_archive import unpack
 from flare.serve.models import load_model, model_kind
 from flare.serve.models.files import PackageFiles, Quarantine
+from flare.serve.rank_group import LeaderRunner, RankGroup
 from flare.serve.truncation import Truncation
 from flare.store.package import Manifest
 
@@ -78,6 +79,8 @@ def load_runtime(
     quarantine: Quarantine | None = None,
     compile_mode: str = "package",
     compile_root: Path | None = None,
+    group: RankGroup | None = None,
+    on_group_failure: Callable[[BaseException], None] | None = None,
 ) -> Runtime:
     """Load the package's model on `device` (fp32 on CPU, bf16 elsewhere unless `dtype` or
     the package's tuning says otherwise); `files` maps every blob's digest text to a local
@@ -87,22 +90,37 @@ def load_runtime(
     (serve/engine/attention_choice.py, `make_attention`; auto: the package's tuned one). A
     generating model's forward is the package's compiled one, compiled at start, or eager, as
     `compile_mode` says (serve/artifacts.py; `compile_root` holds compiled forwards); it is
-    warmed up before this returns, so nothing compiles after."""
-    if manifest.ranks != 1:
+    warmed up before this returns, so nothing compiles after.
+
+    A multi-rank package loads as rank zero of `group` (serve/rank_group.py): its part of
+    the model, its forward eager (`on_group_failure` hears of a step the ranks could not
+    run); the caller has started the other ranks."""
+    world = group.world if group is not None else 1
+    if manifest.ranks != world:
         raise InvalidInputError(
-            f"package {manifest.name} is built for {manifest.ranks} ranks", "serve a 1-rank build"
+            f"package {manifest.name} is built for {manifest.ranks} ranks, not {world}",
+            "serve it with flare serve, which starts a process per rank",
         )
     package = PackageFiles(manifest, files, quarantine)
     kind = model_kind(package)
     target = torch.device(device)
-    prepared = runtime_artifacts(package, target.type, compile_mode, compile_root)
+    if group is not None:
+        prepared = RuntimeArtifacts("eager", None, why="tensor-parallel ranks run eagerly")
+    else:
+        prepared = runtime_artifacts(package, target.type, compile_mode, compile_root)
     tuned = prepared.decisions.torch_dtype if prepared.decisions else None
-    dtype = dtype or tuned or (torch.float32 if target.type == "cpu" else torch.bfloat16)
-    model = load_model(package, target, dtype)
+    dtype = dtype or default_dtype(target, tuned)
+    model = load_model(package, target, dtype, group.shard if group is not None else None)
     if kind == "embed":
         return EmbedRuntime(package, model)
     kv_tokens = kv_cache_tokens or _default_kv_tokens(model, target, dtype, memory_reserve)
-    return GenerateRuntime(package, model, target, dtype, kv_tokens, attention, prepared)
+    ranks = (group, on_group_failure) if group is not None else None
+    return GenerateRuntime(package, model, target, dtype, kv_tokens, attention, prepared, ranks)
+
+
+def default_dtype(device: torch.device, tuned: torch.dtype | None = None) -> torch.dtype:
+    """The package's tuned dtype, else float32 on CPU and bfloat16 elsewhere."""
+    return tuned or (torch.float32 if device.type == "cpu" else torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -119,6 +137,8 @@ class Runtime:
     kind = ""
     attention = ""
     """The attention backend a generating runtime runs (make_attention's name for it)."""
+    failure: str | None = None
+    """Why the runtime can serve no more (a tensor-parallel rank was lost): /health says it."""
 
     def __init__(self, package: PackageFiles, context_length: int) -> None:
         self.package = package
@@ -170,6 +190,10 @@ class Runtime:
     def stats(self) -> dict[str, float]:
         return {}
 
+    def rank_stats(self) -> dict[int, dict[str, float]]:
+        """Figures per tensor-parallel rank, for /metrics' rank="R" labels (none for one)."""
+        return {}
+
     start_report = StartReport("eager", "an embedding model serves uncompiled")
     """How the start went: the forward, and what warming it up took and compiled."""
 
@@ -188,6 +212,7 @@ class GenerateRuntime(Runtime):
         kv_cache_tokens: int,
         attention_kind: str = "auto",
         prepared: RuntimeArtifacts | None = None,
+        ranks: tuple[RankGroup, Callable[[BaseException], None] | None] | None = None,
     ) -> None:
         prepared = prepared or RuntimeArtifacts("eager", None, why="none was asked for")
         decisions = prepared.decisions
@@ -199,6 +224,7 @@ class GenerateRuntime(Runtime):
             raise InvalidInputError(f"a KV cache of {tokens} tokens holds no {block}-block")
         super().__init__(package, min(model.context_length, num_blocks * block))
         self.vocab_size = model.vocab_size
+        self.dtype = dtype
         if decisions is not None and attention_kind == "auto":
             attention_kind = decisions.backend
         self.attention, attention = make_attention(
@@ -212,8 +238,19 @@ class GenerateRuntime(Runtime):
         )
         options = package.manifest.options
         blocks = BlockManager(num_blocks, block)
-        started = _start_forward(model, attention, block, device, prepared, blocks)
-        runner, self.start_report = started
+        if ranks is not None:
+            group, on_failure = ranks
+            runner: ModelRunner = LeaderRunner(
+                model, attention, block, device, group, on_failure or (lambda exc: None)
+            )
+            self.start_report = StartReport("eager", prepared.why)
+        else:
+            runner, self.start_report = _start_forward(
+                model, attention, block, device, prepared, blocks
+            )
+        self.runner = runner
+        self.rank_reports: dict[int, dict[str, float]] = {}
+        """Each rank's load: seconds, weight and KV bytes (set once every rank is ready)."""
         batched_tokens = int(options.get("prefill_chunk", MAX_BATCHED_TOKENS))
         scheduler = Scheduler(
             blocks,
@@ -225,9 +262,20 @@ class GenerateRuntime(Runtime):
 
     def start(self) -> None:
         self.engine.start()
+        if isinstance(self.runner, LeaderRunner):
+            self.runner.start_ticking()
 
     def stop(self, drain: bool = True) -> None:
+        """Stop the engine, then (tensor parallel) the other ranks, unless they are lost."""
         self.engine.stop(drain)
+        if isinstance(self.runner, LeaderRunner) and self.failure is None:
+            self.runner.stop_ranks()
+
+    def fail(self, error: BaseException) -> None:
+        """The runtime can serve no more (a rank was lost): every request in flight ends with
+        `error`, new ones are refused, /health answers 503."""
+        self.failure = str(error)
+        self.engine.abort(error)
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
         """Queue a request; raises ValueError for a prompt or budget this model cannot take."""
@@ -255,6 +303,18 @@ class GenerateRuntime(Runtime):
         """The engine's figures, and `compilations`: everything compiled since the runtime
         was ready (0 for a package whose compiled forward matches this host)."""
         return {**self.engine.stats(), "compilations": self.compilations_since_ready().total}
+
+    def rank_stats(self) -> dict[int, dict[str, float]]:
+        """Per tensor-parallel rank: rank zero's collective and send times; empty for one."""
+        if not isinstance(self.runner, LeaderRunner):
+            return {}
+        group = self.runner.group
+        figures = {rank: dict(report) for rank, report in self.rank_reports.items()}
+        figures.setdefault(0, {}).update(
+            rank_collective_seconds=group.shard.collective_seconds,
+            rank_send_seconds=group.sent_seconds,
+        )
+        return figures
 
     def compilations_since_ready(self) -> Compilations:
         return compilations.snapshot() - self._ready
@@ -357,8 +417,8 @@ def _default_kv_tokens(
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(max(0, free - reserve) * GPU_KV_FRACTION)
-    else:
-        budget = CPU_KV_BYTES
+    else:  # the ranks of a CPU host share its budget (each caches its own KV heads)
+        budget = CPU_KV_BYTES // getattr(getattr(model, "shard", None), "world", 1)
     per_token = model.attention_spec.bytes_per_token(dtype)
     return min(budget // per_token, model.context_length * MAX_NUM_SEQS)
 

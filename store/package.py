@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -198,9 +198,11 @@ class Manifest(Strict):
     inputs: DigestText
     """The digest of the build inputs: source file digests, recipe, options, format."""
 
-    def blobs(self) -> list[Digest]:
-        """Every blob the package needs besides its index, each once."""
-        digests = [p.digest for p in self.payloads] + [a.digest for a in self.artifacts]
+    def blobs(self, ranks: Collection[int] | None = None) -> list[Digest]:
+        """Every blob the package needs besides its index, each once; with `ranks`, those
+        that a host serving these ranks reads (their payloads, the shared ones, artifacts)."""
+        payloads = [p for p in self.payloads if ranks is None or set(p.ranks) & set(ranks)]
+        digests = [p.digest for p in payloads] + [a.digest for a in self.artifacts]
         return [Digest.parse(d) for d in sorted(set(digests))]
 
     def total_size(self) -> int:
@@ -322,9 +324,12 @@ def check_size(part: Part, actual: int, where: str) -> None:
 
 def check_sizes(manifest: Manifest, sizes: Mapping[Digest, int], where: str) -> None:
     """Every part's claimed size against its blob's real one, and each payload's listed
-    tensors against the bytes it holds: checked from sizes alone, before anything is copied."""
+    tensors against the bytes it holds: checked from sizes alone, before anything is copied.
+    A part whose blob `sizes` leaves out (another rank's payload, which this host does not
+    fetch) is not checked."""
     for part in manifest.parts():
-        check_size(part, sizes[part.digest], where)
+        if part.digest in sizes:
+            check_size(part, sizes[part.digest], where)
     for number, payload in enumerate(manifest.payloads):
         listed = sum(expected_nbytes(t.dtype, t.shape) for t in payload.tensors)
         if listed > payload.size:

@@ -111,19 +111,15 @@ def test_a_gpu_architecture_mismatch(manifest: Manifest) -> None:
     check_compatible(changed(manifest, toolchain__gpu_archs=("sm_90",)), GPU_HOST)
 
 
-def test_more_ranks_than_devices(manifest: Manifest) -> None:
-    message = refusal(changed(manifest, ranks=4))
-    assert "built for 4 ranks;" in message and "this host has 1 cpu device" in message
-    assert "--ranks 1" in message
-
-
-def test_a_multi_rank_package_is_sent_to_a_rebuild_not_to_a_bigger_host(
-    manifest: Manifest,
-) -> None:
-    for ranks in (2, 4):
-        message = refusal(changed(manifest, ranks=ranks), GPU_HOST)
-        assert f"built for {ranks} ranks; this runtime serves one rank per package" in message
-        assert "enough GPUs" not in message and "rebuild it with --ranks 1" in message
+def test_more_ranks_than_gpus(manifest: Manifest) -> None:
+    """Each rank a CUDA host serves takes a GPU; a CPU host starts a process per rank, and a
+    host serving one rank of a group (--rendezvous, join) needs one GPU."""
+    four = changed(manifest, ranks=4)
+    message = refusal(four, GPU_HOST)
+    assert "built for 4 ranks, 4 of them on this host; this host has 2 cuda device" in message
+    assert "--rendezvous" in message and "--ranks 2" in message
+    check_compatible(four, CPU_HOST)
+    check_compatible(four, GPU_HOST, ranks=(2,))
 
 
 def test_a_revision_other_than_the_one_built(manifest: Manifest, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from tokenizers import Tokenizer
 
+from flare.errors import FlareError
 from flare.serve.engine.output import Delta, RequestHandle, TextStream
 from flare.serve.engine.runner import ModelRunner
 from flare.serve.engine.sampler import Sampler
@@ -102,6 +103,14 @@ class Engine:
             self._thread.join()
             self._thread = None
 
+    def abort(self, error: BaseException) -> None:
+        """From any thread, when the engine can run no more steps (a tensor-parallel rank was
+        lost, and the engine thread may be stuck in a collective until it times out): refuse
+        new requests and end every one in flight with `error` now."""
+        self._accepting = False
+        for request in list(self._requests.values()):
+            request.handle.push(error)
+
     def _post(self, action: Callable[[], None]) -> None:
         self._inbox.put(action)
         self._wake.set()
@@ -132,6 +141,10 @@ class Engine:
         try:
             logits = self.runner.run(batch.seqs, batch.prefill)
             tops = self.sampler.scan(logits)
+        except FlareError as exc:  # said in one line (a lost tensor-parallel rank)
+            log.error("the forward of %d sequences failed: %s", len(batch.seqs), exc)
+            self._fail_batch(batch, exc)
+            return
         except Exception as exc:
             log.exception("the forward of %d sequences failed", len(batch.seqs))
             self._fail_batch(batch, exc)

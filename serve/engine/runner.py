@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -56,6 +57,27 @@ class EagerForward:
         return self.model.compute_logits(hidden[last]).float()
 
 
+@dataclass(frozen=True)
+class StepInput:
+    """One step's batch as plain lists: what rank zero sends the other tensor-parallel ranks
+    (as JSON), each of which makes the same tensors from it and runs its part of the forward.
+    `tables` are the sequences' block tables, padded with -1."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    tables: list[list[int]]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StepInput:
+        return cls(**{key: data[key] for key in cls.__dataclass_fields__})
+
+
 class ModelRunner:
     """Owns the model and its attention backend; one `run` per engine step."""
 
@@ -73,10 +95,14 @@ class ModelRunner:
         self.device = device
         self.forward = forward or EagerForward(model)
 
-    @torch.inference_mode()
     def run(self, seqs: list[Sequence], prefill: bool) -> torch.Tensor:
         """Float32 logits [len(seqs), vocab] at each sequence's last position."""
-        input_ids, positions, meta = self.prepare(seqs, prefill)
+        return self.run_step(self.step_input(seqs, prefill))
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInput) -> torch.Tensor:
+        """The forward of one step's batch, however it was scheduled."""
+        input_ids, positions, meta = self.tensors(step)
         self.attention.plan(meta)
         last = meta.query_start_loc[1:] - 1
         return self.forward(input_ids, positions, last, self.attention)
@@ -84,8 +110,12 @@ class ModelRunner:
     def prepare(
         self, seqs: list[Sequence], prefill: bool
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat token ids, positions and attention metadata for the tokens to compute:
-        a prefill computes everything after the cached prefix, a decode the newest token."""
+        """Flat token ids, positions and attention metadata for the tokens to compute."""
+        return self.tensors(self.step_input(seqs, prefill))
+
+    def step_input(self, seqs: list[Sequence], prefill: bool) -> StepInput:
+        """The batch's tokens to compute: a prefill computes everything after the cached
+        prefix, a decode the newest token."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -96,32 +126,31 @@ class ModelRunner:
             positions += range(start, len(seq))
             slots += (self._slot(seq, p) for p in range(start, len(seq)))
             query_lens.append(len(seq) - start)
-        meta = self._metadata(seqs, slots, query_lens)
-        return self._tensor(ids), self._tensor(positions), meta
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
+        context_lens = [len(seq) for seq in seqs]
+        return StepInput(ids, positions, slots, query_lens, context_lens, tables)
 
     def _slot(self, seq: Sequence, position: int) -> int:
         block = seq.block_table[position // self.block_size]
         return block * self.block_size + position % self.block_size
 
-    def _metadata(
-        self, seqs: list[Sequence], slots: list[int], query_lens: list[int]
-    ) -> AttentionMetadata:
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
+    def tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat token ids, positions and attention metadata on the model's device."""
         starts = [0]
-        for n in query_lens:
+        for n in step.query_lens:
             starts.append(starts[-1] + n)
-        context_lens = [len(seq) for seq in seqs]
-        return AttentionMetadata(
-            slot_mapping=self._tensor(slots),
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(step.slots),
             query_start_loc=self._tensor(starts),
-            context_lens=self._tensor(context_lens),
-            block_tables=self._tensor(tables),
+            context_lens=self._tensor(step.context_lens),
+            block_tables=self._tensor(step.tables),
             block_size=self.block_size,
-            query_lens_cpu=query_lens,
-            context_lens_cpu=context_lens,
-            block_tables_cpu=tables,
+            query_lens_cpu=step.query_lens,
+            context_lens_cpu=step.context_lens,
+            block_tables_cpu=step.tables,
         )
+        return self._tensor(step.ids), self._tensor(step.positions), meta
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -18,20 +18,23 @@ from flare.model_sizes import LAYOUTS, check_sizes, manifest_shapes
 from flare.serve.models.bert import BertEmbedder, Pooling
 from flare.serve.models.files import PackageFiles
 from flare.serve.models.llama import LlamaForCausalLM
+from flare.serve.models.shard import Shard
 
 
-def _llama(files: PackageFiles) -> nn.Module:
-    return LlamaForCausalLM(files.require_json("config.json"))
+def _llama(files: PackageFiles, shard: Shard) -> nn.Module:
+    return LlamaForCausalLM(files.require_json("config.json"), shard)
 
 
-def _bert(files: PackageFiles) -> nn.Module:
+def _bert(files: PackageFiles, shard: Shard) -> nn.Module:
     modules = files.json("modules.json", list) or []
     pooling_path = next((m["path"] for m in modules if m.get("type", "").endswith("Pooling")), None)
     pooling = files.json(f"{pooling_path}/config.json") if pooling_path else None
     return BertEmbedder(files.require_json("config.json"), Pooling.from_files(modules, pooling))
 
 
-FAMILIES: dict[tuple[str, int], tuple[str, Callable[[PackageFiles], nn.Module]]] = {
+Create = Callable[[PackageFiles, Shard], nn.Module]
+
+FAMILIES: dict[tuple[str, int], tuple[str, Create]] = {
     ("llama", 1): ("generate", _llama),
     ("bert", 1): ("embed", _bert),
 }
@@ -59,14 +62,28 @@ def model_kind(files: PackageFiles) -> str:
     return _family(files)[0]
 
 
-def load_model(files: PackageFiles, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The package's model on `device` in `dtype`, weights loaded, in eval mode."""
+def load_model(
+    files: PackageFiles, device: torch.device, dtype: torch.dtype, shard: Shard | None = None
+) -> nn.Module:
+    """The package's model on `device` in `dtype`, weights loaded, in eval mode; with a
+    `shard`, that rank's part of it, read from the shared payloads and its own only."""
+    shard = shard or Shard()
     create = _family(files)[1]
     _check_config(files)
+    manifest = files.manifest
+    if manifest.ranks != shard.world:
+        raise InvalidInputError(
+            f"package {manifest.name} is built for {manifest.ranks} ranks, not {shard.world}"
+        )
+    shard.split_vocab = any(
+        t.name == "model.embed_tokens.weight" and t.split is not None
+        for p in manifest.payloads
+        for t in p.tensors
+    )
     with torch.device("meta"):
-        model = _create(create, files)
+        model = _create(create, files, shard)
     model = model.to_empty(device=device).to(dtype)
-    model.load_weights(files.tensors())
+    model.load_weights(files.tensors(shard.rank))
     return model.eval()
 
 
@@ -83,18 +100,18 @@ def _check_config(files: PackageFiles) -> None:
         raise files.malformed("config.json", f"is refused: {exc.what}") from exc
 
 
-def _create(create: Callable[[PackageFiles], nn.Module], files: PackageFiles) -> nn.Module:
+def _create(create: Create, files: PackageFiles, shard: Shard) -> nn.Module:
     """Build the model from the package's config files; a config that does not describe a
     model of the recipe (a missing key, a wrong type) is a malformed package, said so."""
     try:
-        return create(files)
+        return create(files, shard)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError) as exc:
         recipe = files.manifest.recipe.name
         problem = f"does not describe a {recipe} model ({type(exc).__name__}: {exc})"
         raise files.malformed("config.json", problem) from exc
 
 
-def _family(files: PackageFiles) -> tuple[str, Callable[[PackageFiles], nn.Module]]:
+def _family(files: PackageFiles) -> tuple[str, Create]:
     recipe = files.manifest.recipe
     family = FAMILIES.get((recipe.name, recipe.version))
     if family is None:

@@ -28,7 +28,14 @@ from torch import nn
 from flare.errors import IntegrityError, InvalidInputError, NotFoundError, from_os_error
 from flare.store.digest import Digest
 from flare.store.hashing import hash_bytes
-from flare.store.package import MALFORMED_HINT, Manifest, Part, check_payload, check_size
+from flare.store.package import (
+    MALFORMED_HINT,
+    Manifest,
+    Part,
+    Payload,
+    check_payload,
+    check_size,
+)
 from flare.store.safetensors import FormatError, Header, TensorEntry, read_header
 
 Quarantine = Callable[[Digest], str | None]
@@ -102,8 +109,10 @@ class PackageFiles:
             f"artifact {path} of package {self.manifest.name} {problem}", MALFORMED_HINT
         )
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight by its Hugging Face name, made from the very map that is hashed.
+    def tensors(self, rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight rank `rank` reads, by its Hugging Face name (a split tensor's part
+        under the whole tensor's name), made from the very map that is hashed: the shared
+        payloads and the rank's own, never another rank's.
 
         A payload's header is checked against the manifest before any of its tensors is made;
         its hash runs on other threads meanwhile, while the caller copies the tensors into the
@@ -111,7 +120,10 @@ class PackageFiles:
         returns has hashed every byte it copied."""
         payloads = self.manifest.payloads
         for payload, part in zip(payloads, self._parts[: len(payloads)], strict=True):
+            if rank not in payload.ranks:
+                continue
             where = f"{part.name} of package {self.manifest.name}"
+            _check_parts(payload, rank, self.manifest.ranks, where)
             mapped = _map(self._local(part))
             view = memoryview(mapped if mapped is not None else b"")
             hashed = _hash_in_background(view)
@@ -173,6 +185,19 @@ class PackageFiles:
                 f"no local file for {part.name} ({part.digest})", "pull the package again"
             )
         return local
+
+
+def _check_parts(payload: Payload, rank: int, ranks: int, where: str) -> None:
+    """A payload a rank reads holds whole tensors or that rank's part of N: a manifest that
+    hands rank R another rank's part (or cuts a tensor otherwise) would load wrong weights."""
+    for tensor in payload.tensors:
+        split = tensor.split
+        if split is not None and (split.index != rank or split.parts != ranks):
+            raise FormatError(
+                f"{where} gives rank {rank} part {split.index} of {split.parts} of "
+                f"{tensor.name} in a {ranks}-rank package",
+                MALFORMED_HINT,
+            )
 
 
 def _map(path: Path) -> mmap.mmap | None:

@@ -3,6 +3,14 @@
 Module and parameter names follow the Hugging Face checkpoints, so payload tensors load by
 name. Family differences are config switches: Qwen2's q/k/v biases, Qwen3's per-head q/k
 RMSNorm, Llama's `attention_bias`/`mlp_bias`, llama3 RoPE scaling, tied embeddings.
+
+Tensor parallel (serve/models/shard.py): with a `Shard` of N ranks, each rank holds whole
+query and KV heads (heads / N, KV heads / N: the build refuses KV heads that N does not
+divide), gate/up rows and down columns (intermediate / N), and where the package splits the
+vocabulary, vocab / N rows of embed_tokens and lm_head. o_proj and down_proj are row-parallel
+(a partial sum per rank, all-reduced, the bias added once after); the embedding is a masked
+lookup all-reduced; the logits are all-gathered. Parameter shapes are the rank's part, so the
+payload parts load by name as whole tensors do.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from torch import nn
 from flare.errors import InvalidInputError
 from flare.serve.engine.attention import AttentionBackend, AttentionSpec
 from flare.serve.models.files import load_by_name
+from flare.serve.models.shard import Shard
 
 MAX_CONTEXT = 131072
 """Cap on the advertised context when a config claims more."""
@@ -101,11 +110,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-class Attention(nn.Module):
-    def __init__(self, config: dict[str, Any], layer: int) -> None:
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input features are split across ranks: each rank's partial
+    product is summed over ranks, then the (whole) bias is added once."""
+
+    def __init__(self, inputs: int, outputs: int, bias: bool, shard: Shard) -> None:
         super().__init__()
-        hidden, self.heads = config["hidden_size"], config["num_attention_heads"]
-        self.kv_heads = config.get("num_key_value_heads", self.heads)
+        self.weight = nn.Parameter(torch.empty(outputs, inputs))
+        self.bias = nn.Parameter(torch.empty(outputs)) if bias else None
+        self.shard = shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.shard.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class Attention(nn.Module):
+    def __init__(self, config: dict[str, Any], layer: int, shard: Shard) -> None:
+        super().__init__()
+        hidden = config["hidden_size"]
+        heads = config["num_attention_heads"]
+        self.heads = shard.part(heads, "num_attention_heads")
+        kv_heads = config.get("num_key_value_heads", heads)
+        self.kv_heads = shard.part(kv_heads, "KV heads")
         self.head_dim = head_dim(config)
         self.layer = layer
         qkv_bias = bool(config.get("attention_bias")) or _is_qwen2(config)
@@ -113,7 +140,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=o_bias)
+        self.o_proj = RowParallelLinear(self.heads * self.head_dim, hidden, o_bias, shard)
         if _is_qwen3(config):
             self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
             self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
@@ -135,23 +162,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], shard: Shard) -> None:
         super().__init__()
-        hidden, inter = config["hidden_size"], config["intermediate_size"]
+        hidden = config["hidden_size"]
+        inter = shard.part(config["intermediate_size"], "intermediate_size")
         bias = bool(config.get("mlp_bias"))
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: dict[str, Any], layer: int) -> None:
+    def __init__(self, config: dict[str, Any], layer: int, shard: Shard) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer, shard)
+        self.mlp = MLP(config, shard)
         self.input_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
 
@@ -165,32 +193,58 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class VocabParallelEmbedding(nn.Module):
+    """Embeddings whose rows (the vocabulary) may be split across ranks: each rank looks up
+    the ids in its own range, zeros the others, and the sum over ranks is the lookup."""
+
+    def __init__(self, vocab: int, hidden: int, shard: Shard) -> None:
+        super().__init__()
+        rows = shard.part(vocab, "vocab_size") if shard.split_vocab else vocab
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.start = shard.rank * rows if shard.split_vocab else 0
+        self.shard = shard
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.shard.split_vocab:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        found = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.shard.all_reduce(found.masked_fill(outside[:, None], 0))
+
+
 class LlamaBody(nn.Module):
     """`model.*` of the checkpoint: embeddings, decoder layers, final norm."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], shard: Shard) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config["vocab_size"], config["hidden_size"])
+        self.embed_tokens = VocabParallelEmbedding(
+            config["vocab_size"], config["hidden_size"], shard
+        )
         layers = range(config["num_hidden_layers"])
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in layers)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shard) for i in layers)
         self.norm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
         self.rotary = Rotary(config, head_dim(config))
 
 
 class LlamaForCausalLM(nn.Module):
-    """A generating model for the engine's `CausalLM` interface."""
+    """A generating model for the engine's `CausalLM` interface; with a `Shard`, one rank's
+    part of it (the logits it computes are still the whole vocabulary's)."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], shard: Shard | None = None) -> None:
         super().__init__()
-        self.model = LlamaBody(config)
+        self.shard = shard = shard or Shard()
+        self.model = LlamaBody(config, shard)
         self.tied = bool(config.get("tie_word_embeddings"))
         if not self.tied:
-            self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+            rows = self.model.embed_tokens.weight.shape[0]
+            self.lm_head = nn.Linear(config["hidden_size"], rows, bias=False)
         self.vocab_size = config["vocab_size"]
+        heads = config["num_attention_heads"]
         self.attention_spec = AttentionSpec(
             num_layers=config["num_hidden_layers"],
-            num_heads=config["num_attention_heads"],
-            num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+            num_heads=shard.part(heads, "num_attention_heads"),
+            num_kv_heads=shard.part(config.get("num_key_value_heads", heads), "KV heads"),
             head_dim=head_dim(config),
             scale=head_dim(config) ** -0.5,
         )
@@ -207,7 +261,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(hidden, weight)
+        logits = F.linear(hidden, weight)
+        return self.shard.all_gather(logits) if self.shard.split_vocab else logits
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy every payload tensor into the parameter of the same name; all must be set."""

@@ -1,9 +1,13 @@
-"""Rendezvous and transport between the ranks of a multi-process build, over torch.distributed.
+"""Rendezvous and transport between the ranks of a multi-process build or server, over
+torch.distributed.
 
 Rank zero hosts a TCPStore at HOST:PORT; every rank joins it, says it arrived, and beats a
 counter while it lives. Small messages (the plan, each rank's abilities, payload digests) are
 JSON values under keys of that store; payload bytes travel over a gloo process group in
 fixed-size chunks, so sender and receiver agree on every message size without telling it.
+
+Rank zero says what the group is for under the key `kind` (`build` or `serve`), so that
+`flare join` takes part in either.
 
 Every wait watches the rank it waits for: a rank whose heartbeat stops for `timeout` seconds,
 or whose connection closes, ends the wait with a RankError naming it, never a hang.
@@ -32,16 +36,23 @@ POLL_S = 0.02
 """How often a wait looks at the store: small against any payload's transfer time."""
 
 
+GROUPS = {"build": "build", "serve": "server"}
+"""What each kind of group is called in messages."""
+KINDS = tuple(GROUPS)
+
+
 class RankError(FlareError):
-    """A rank that did not join, stopped, or failed: the whole multi-rank build stops."""
+    """A rank that did not join, stopped, or failed: the whole multi-rank build or server
+    stops."""
 
     exit_code = 13
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """HOST:PORT as given to --rendezvous and join."""
+def parse_address(text: str, any_port: bool = False) -> tuple[str, int]:
+    """HOST:PORT as given to --rendezvous and join (`any_port`: rank zero may give port 0,
+    any free one)."""
     host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not host or not port.isdigit() or not int(not any_port) <= int(port) < 65536:
         raise InvalidInputError(f"bad rendezvous address {text!r}", "give HOST:PORT")
     return host.strip("[]"), int(port)
 
@@ -66,6 +77,7 @@ class Rendezvous:
         self.timeout = timeout
         self.store = store
         self.group: Any = None
+        self.kind = "build"
         self._seen: dict[int, tuple[int, float]] = {}
         self._stop = threading.Event()
         self._beating: threading.Thread | None = None
@@ -73,10 +85,19 @@ class Rendezvous:
     # -- joining ---------------------------------------------------------------------------
 
     @classmethod
-    def host(cls, address: str, world: int, timeout: float) -> Rendezvous:
-        """Rank zero: serve the store, wait for every rank, then form the process group."""
+    def host(
+        cls,
+        address: str,
+        world: int,
+        timeout: float,
+        kind: str = "build",
+        started: Callable[[str], None] | None = None,
+    ) -> Rendezvous:
+        """Rank zero: serve the store, wait for every rank, then form the process group.
+        `started` is told the address once the store listens (port 0 picks a free one), so
+        that the other ranks can be started."""
         dist = _distributed()
-        host, port = parse_address(address)
+        host, port = parse_address(address, any_port=True)
         try:
             store = dist.TCPStore(
                 host, port, world, True, timedelta(seconds=timeout), wait_for_workers=False
@@ -86,8 +107,14 @@ class Rendezvous:
                 f"cannot serve the rendezvous at {address}: {_first_line(exc)}",
                 "pick a free port on an address of this host",
             ) from exc
+        address = f"{host}:{store.port}"
+        store.set("kind", kind)
+        store.set("timeout", f"{timeout:g}")
         store.set("world", str(world))
+        if started is not None:
+            started(address)
         rendezvous = cls(address, 0, world, timeout, store)
+        rendezvous.kind = kind
         with rendezvous._closed_on_failure():
             rendezvous._arrive()
             rendezvous._await_arrivals()
@@ -96,28 +123,17 @@ class Rendezvous:
         return rendezvous
 
     @classmethod
-    def join(cls, address: str, rank: int, timeout: float) -> Rendezvous:
+    def join(cls, address: str, rank: int, timeout: float, kind: str = "build") -> Rendezvous:
         """Another rank: reach rank zero's store, check the rank, form the process group."""
-        dist = _distributed()
-        host, port = parse_address(address)
-        unreachable = RankError(
-            f"rank {rank} could not reach rank 0 at {address} within {timeout:g} s",
-            "start `flare build ... --rendezvous` there first, and check the address",
-        )
-        if not _listening(host, port, timeout):
-            raise unreachable
-        try:
-            with _c10d_quiet():
-                store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
-                world = int(store.get("world"))
-        except (RuntimeError, OSError) as exc:
-            raise unreachable from exc
+        store = connect(address, rank, timeout)
+        world = int(store.get("world"))
         if not 0 < rank < world:
             raise InvalidInputError(
-                f"--rank {rank} is not a peer rank of this {world}-rank build",
+                f"--rank {rank} is not a peer rank of this {world}-rank {kind}",
                 f"give a rank from 1 to {world - 1}",
             )
         rendezvous = cls(address, rank, world, timeout, store)
+        rendezvous.kind = kind
         with rendezvous._closed_on_failure():
             rendezvous._arrive()
             rendezvous.wait_for("ready", 0, "to see every rank arrive")
@@ -209,8 +225,10 @@ class Rendezvous:
                 raise self._gone(0, doing) from exc
             if aborted and key != "abort":
                 reason = json.loads(self.store.get("abort"))
-                raise RankError(f"the build stopped: {reason}", "see that rank's error; rerun all")
-            self._check_alive(rank, doing)
+                raise RankError(
+                    f"the {GROUPS[self.kind]} stopped: {reason}", "see that rank's error; rerun all"
+                )
+            self.check_alive(rank, doing)
             time.sleep(POLL_S)
 
     def abort(self, reason: str) -> None:
@@ -230,7 +248,7 @@ class Rendezvous:
         except (RuntimeError, OSError):
             pass
 
-    def _check_alive(self, rank: int, doing: str) -> None:
+    def check_alive(self, rank: int, doing: str) -> None:
         """Raise if `rank`'s heartbeat has not moved for the timeout."""
         if rank == self.rank:
             return
@@ -328,6 +346,38 @@ def _read_exactly(source: io.RawIOBase, view: memoryview) -> None:
         if not got:
             raise RankError("a payload's source ended early", "the checkpoint changed; rerun")
         filled += got
+
+
+def connect(address: str, rank: int, timeout: float) -> Any:
+    """A client of rank zero's store (what `kind` to read says what the group is for)."""
+    dist = _distributed()
+    host, port = parse_address(address)
+    unreachable = RankError(
+        f"rank {rank} could not reach rank 0 at {address} within {timeout:g} s",
+        "start `flare build --rendezvous` or `flare serve --rendezvous` there first, and "
+        "check the address",
+    )
+    if not _listening(host, port, timeout):
+        raise unreachable
+    try:
+        with _c10d_quiet():
+            store = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
+            store.get("world")
+    except (RuntimeError, OSError) as exc:
+        raise unreachable from exc
+    return store
+
+
+def group_kind(address: str, rank: int, timeout: float) -> tuple[str, float]:
+    """What rank zero's group at `address` is for (`build` or `serve`), and its timeout: a
+    serving group's ranks watch each other with rank zero's."""
+    store = connect(address, rank, timeout)
+    kind = store.get("kind").decode() if store.check(["kind"]) else "build"
+    if kind not in KINDS:
+        raise RankError(f"rank 0 at {address} runs an unknown kind of group: {kind!r}")
+    if store.check(["timeout"]):
+        timeout = float(store.get("timeout").decode())
+    return kind, timeout
 
 
 def _distributed() -> Any:
