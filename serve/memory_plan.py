@@ -41,7 +41,7 @@ class MemoryPlan:
     workspace: int
     """Attention scratch allocated at start (FlashInfer's buffer; none for the torch backend)."""
     graphs: int
-    """Bytes held by captured CUDA graphs: 0, decode runs uncaptured."""
+    """Bytes held by captured CUDA graphs: 0 while no step runs under CUDA graphs."""
     reserve: int
     """memory.reserve: left free beyond everything above."""
     total: int
@@ -65,7 +65,7 @@ class MemoryPlan:
         kv = "KV cache none (an embedding model)"
         if self.kv is not None:
             kv = f"KV cache {self.kv.tokens} tokens, {memory_size(self.kv_cache)} ({self.kv.how})"
-        graphs = "graphs none (decode is not captured)"
+        graphs = "graphs none (no CUDA graphs are captured)"
         if self.graphs:
             graphs = f"graphs {memory_size(self.graphs)}"
         host = "host" if self.device == "cpu" else self.device

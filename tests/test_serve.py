@@ -393,7 +393,7 @@ def test_the_start_prints_its_memory_plan_and_load_rate_as_metrics_report_them(
     assert parts["weights"] == weight_bytes(manifest, "cpu")
     assert f"weights {parts['weights'] / 2**20:.1f} MiB in float32" in plan
     assert parts["workspace"] == parts["graphs"] == 0
-    assert "graphs none (decode is not captured)" in plan
+    assert "graphs none (no CUDA graphs are captured)" in plan
     assert parts["reserve"] == 2**30 and "reserve 1.00 GiB" in plan
     assert total >= free > 0 and f"host {total / 2**30:.2f} GiB total" in plan
 
