@@ -24,6 +24,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rich.filesize import decimal
+
 from flare.serve.compilations import Compilations
 from flare.serve.models.files import PackageFiles
 from flare.serve.tuning import Decisions
@@ -106,11 +108,14 @@ class StartReport:
         took = self.artifacts + self.warm_up
         return f"forward compiled at start in {took:.1f} s: {self.compilations.describe()}"
 
-    def timeline(self, pull: float, load: float, total: float) -> str:
+    def timeline(self, pull: float, load: float, total: float, weight_bytes: int) -> str:
         """Start-to-ready with its parts, for the ready line: `load` is the runtime's whole
-        load, of which the artifacts and warm-up are shown apart."""
+        load, of which the artifacts and warm-up are shown apart; the rest is the weights'
+        load, whose rate (`weight_bytes`, the package's payloads, over its time) says how
+        near the disk's or the network's speed it came."""
         weights = load - self.artifacts - self.warm_up
-        parts = f"pull {pull:.2f} s, load {weights:.2f} s"
+        rate = f" at {decimal(int(weight_bytes / weights))}/s" if weights > 0 else ""
+        parts = f"pull {pull:.2f} s, load {weights:.2f} s ({decimal(weight_bytes)}{rate})"
         if self.forward != "eager":
             parts += f", artifacts {self.artifacts:.2f} s, warm-up {self.warm_up:.2f} s"
         return f"ready in {total:.2f} s: {parts}; {self.describe()}"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import typer
 from rich.filesize import decimal
 
-from flare.cli_common import AcceptOption, JsonOption, RegistryOption, print_done
+from flare.cli_common import AcceptOption, JsonOption, RegistryOption, err, print_done
 from flare.config import load_config, parse_body_size, parse_timeout
 from flare.errors import InvalidInputError
 
@@ -199,6 +199,8 @@ def serve_command(
                 leader.abandon(f"rank 0 could not load its part: {exc}")
             raise
         times["loaded"] = time.perf_counter()
+        if runtime.memory_plan is not None:
+            err.print(runtime.memory_plan.describe(), markup=False)
         run_server(app, runtime, sock, _say_ready(plan, runtime, times))
         if leader is not None:
             leader.close()
@@ -229,6 +231,7 @@ def _option(
 
 def _say_ready(plan: PullPlan, runtime: Runtime, times: dict[str, float]) -> Callable[[str], None]:
     """The ready line: where, start-to-ready and its parts, how the forward runs."""
+    from flare.serve.launch import payload_bytes
 
     def ready(url: str) -> None:
         now = time.perf_counter()
@@ -236,6 +239,7 @@ def _say_ready(plan: PullPlan, runtime: Runtime, times: dict[str, float]) -> Cal
             pull=times["pulled"] - times["start"],
             load=times["loaded"] - times["pulled"],
             total=now - times["start"],
+            weight_bytes=payload_bytes(plan.manifest),
         )
         ranks = runtime.rank_stats()
         if ranks:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from flare.serve.rank_start import PackageNotice
     from flare.serve.rank_worker import Obtained
     from flare.serve.runtime import Runtime
+    from flare.store.package import Manifest
 
 
 SERVE_MODULES = ("torch", "fastapi", "uvicorn", "jinja2", "prometheus_client", "httpx")
@@ -130,7 +131,7 @@ def load_package_app(
         assert isinstance(runtime, GenerateRuntime)
         leader.ready(runtime, time.perf_counter() - started)
         ranks_text = f"; rank 0 of {plan.manifest.ranks}, every rank loaded"
-    weights = sum(p.size for p in plan.manifest.payloads)
+    weights = payload_bytes(plan.manifest)
     kv = runtime.kv_stats()
     kv_text = ""
     if kv:  # a generating model
@@ -148,6 +149,11 @@ def load_package_app(
         created=_created(source, plan),
     )
     return runtime, create_app(runtime, package, api_key, limits)
+
+
+def payload_bytes(manifest: Manifest) -> int:
+    """The package's weights as stored: what loading it reads, every rank's part."""
+    return sum(p.size for p in manifest.payloads)
 
 
 def start_ranks(

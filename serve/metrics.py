@@ -17,6 +17,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from flare.serve.memory_plan import MemoryPlan
 from flare.serve.runtime import Runtime
 
 COUNTERS = {
@@ -53,6 +54,23 @@ class RuntimeCollector:
             kind = CounterMetricFamily if key in COUNTERS else GaugeMetricFamily
             yield kind(f"flare_{key}", key.replace("_", " "), value=value)
         yield from _rank_metrics(self.runtime.rank_stats())
+        yield from _memory_metrics(self.runtime.memory_plan)
+
+
+def _memory_metrics(plan: MemoryPlan | None) -> Iterator[Metric]:
+    """The start's memory plan: bytes per part, and the device's memory as the plan found it."""
+    if plan is None:
+        return
+    parts = GaugeMetricFamily("flare_memory_bytes", "memory plan bytes", labels=["part"])
+    for part, nbytes in plan.parts().items():
+        parts.add_metric([part], nbytes)
+    yield parts
+    device = GaugeMetricFamily(
+        "flare_device_memory_bytes", "device memory at start", labels=["state"]
+    )
+    device.add_metric(["total"], plan.total)
+    device.add_metric(["free"], plan.free)
+    yield device
 
 
 def _rank_metrics(ranks: Mapping[int, Mapping[str, float]]) -> Iterator[Metric]:

@@ -10,16 +10,15 @@ them alone, and the index is written last: a package in the cache is complete.
 from __future__ import annotations
 
 import math
-import os
 import shutil
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from flare.errors import NoSpaceError
 from flare.registry.leases import hold_lease
 from flare.registry.registry import Registry
 from flare.serve.cache import HostCache
 from flare.serve.compat import HostToolchain, check_compatible
+from flare.serve.memory_plan import device_memory, memory_size
 from flare.sign.policy import TrustPolicy
 from flare.sign.verify import Verdict, check_trusted
 from flare.store.blobs import PutResult
@@ -27,8 +26,6 @@ from flare.store.digest import Digest
 from flare.store.hashing import Progress, parallel_map
 from flare.store.package import Manifest, check_sizes, decode_index
 from flare.store.safetensors import DTYPE_SIZES
-
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -112,7 +109,7 @@ def admit(
         disk_free=disk_free,
         linked=linked,
         memory_needed=weight_bytes(manifest, request.host.device, request.ranks) + request.reserve,
-        memory_free=free_memory(request.host.device),
+        memory_free=device_memory(request.host.device)[0],
     )
     _check_room(manifest, cache, admission)
     return admission
@@ -145,21 +142,17 @@ def stored_sizes(
 def _check_room(manifest: Manifest, cache: HostCache, admission: Admission) -> None:
     if admission.disk_needed > admission.disk_free:
         raise NoSpaceError(
-            f"{manifest.name} stores {_size(admission.disk_needed)} under {cache.root}, "
-            f"{_size(admission.disk_free)} are free",
+            f"{manifest.name} stores {memory_size(admission.disk_needed)} under {cache.root}, "
+            f"{memory_size(admission.disk_free)} are free",
             "free space there or point paths.package_cache elsewhere; nothing was copied",
         )
     if admission.memory_needed > admission.memory_free:
+        needed, free = memory_size(admission.memory_needed), memory_size(admission.memory_free)
         raise NoSpaceError(
-            f"{manifest.name} needs {_size(admission.memory_needed)} of memory "
-            f"(weights, KV cache and memory.reserve), {_size(admission.memory_free)} are free",
+            f"{manifest.name} needs {needed} of memory "
+            f"(weights, KV cache and memory.reserve), {free} are free",
             "free memory, lower memory.reserve, or serve it on a larger host; nothing was copied",
         )
-
-
-def _size(nbytes: int) -> str:
-    """GiB for what a user plans hosts by, MiB below one GiB."""
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def weight_bytes(manifest: Manifest, device: str, ranks: tuple[int, ...] | None = None) -> int:
@@ -174,18 +167,6 @@ def weight_bytes(manifest: Manifest, device: str, ranks: tuple[int, ...] | None 
             itemsize = 4 if device == "cpu" else DTYPE_SIZES[tensor.dtype]
             total += math.prod(tensor.shape) * itemsize * copies
     return total
-
-
-def free_memory(device: str) -> int:
-    """Memory the package may use: MemAvailable on CPU, the free bytes of GPU 0 on CUDA."""
-    if device == "cuda":
-        import torch
-
-        return int(torch.cuda.mem_get_info(0)[0])
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def fetch(

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from flare.rendezvous import Rendezvous
+from flare.serve.memory_plan import parameter_bytes
 from flare.serve.models.shard import Shard
 from flare.serve.rank_group import RankGroup
 
@@ -102,7 +103,7 @@ def wait_ready(rendezvous: Rendezvous) -> dict[int, dict[str, float]]:
 def load_report(model: torch.nn.Module, kv_bytes: int, seconds: float) -> dict[str, float]:
     """What one rank's part cost: load seconds, weight bytes, KV cache bytes, and the
     process's peak resident memory."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = parameter_bytes(model)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
         "rank_load_seconds": round(seconds, 3),

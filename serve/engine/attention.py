@@ -65,6 +65,11 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
+    @property
+    def nbytes(self) -> int:
+        """What the cache holds on its device, keys and values."""
+        return self.k.nbytes + self.v.nbytes
+
     def store(
         self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +83,10 @@ class PagedKVCache:
 class AttentionBackend(Protocol):
     """What model code calls; owns the KV cache."""
 
+    cache: PagedKVCache
+    workspace_bytes: int
+    """Scratch the backend allocated at start beside the cache (the memory plan shows it)."""
+
     def plan(self, meta: AttentionMetadata) -> None:
         """Prepare for one step (index tensors, kernel plans); called before the forward."""
 
@@ -88,6 +97,9 @@ class AttentionBackend(Protocol):
 
 class TorchPagedAttention:
     """The reference backend: plain torch on any device, one SDPA call per sequence."""
+
+    workspace_bytes = 0
+    """None at start: each step's gathers and masks are allocated as it runs."""
 
     def __init__(
         self, spec: AttentionSpec, num_slots: int, dtype: torch.dtype, device: torch.device

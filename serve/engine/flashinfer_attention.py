@@ -28,6 +28,9 @@ advises for grouped-query attention)."""
 class FlashInferPagedAttention:
     """The CUDA backend: FlashInfer batch prefill and decode over the paged cache."""
 
+    workspace_bytes = WORKSPACE_BYTES
+    """One buffer, shared by the prefill and decode wrappers."""
+
     def __init__(
         self,
         spec: AttentionSpec,
