@@ -150,7 +150,8 @@ def _rebuild(registry: Registry, listed: list[str], now: float, window_s: float)
     for name in sorted(set(refs.names(store, [])) | indexed):
         refresh_name(registry, name, None)
     registry.db.write(_forget_seen)
-    registry.db.write(lambda c: _mark_seen(c, listed, now, settled=window_s <= 0))
+    read = time.time()
+    registry.db.write(lambda c: _mark_seen(c, listed, read, settled=window_s <= 0))
     return _shared_index_note(registry)
 
 
@@ -180,15 +181,19 @@ def _catch_up(registry: Registry, listed: list[str], now: float, window_s: float
             changes.setdefault(change.name, set()).add(change.digest)
     for name, digests in sorted(changes.items()):
         refresh_name(registry, name, digests)
-    registry.db.write(lambda c: _mark_seen(c, new, now, settled=window_s <= 0))
+    read = time.time()
+    registry.db.write(lambda c: _mark_seen(c, new, read, settled=window_s <= 0))
     registry.db.write(lambda c: _settle(c, due))
     still = set(listed)
     gone = [e for e, (first, _) in seen.items() if e not in still and now - first > journal.KEEP_S]
     registry.db.write(lambda c: _drop_seen(c, gone))
 
 
-def _mark_seen(connection: Connection, listed: list[str], now: float, settled: bool) -> None:
-    rows = [{"entry": e, "first_seen": now, "settled": settled} for e in listed]
+def _mark_seen(connection: Connection, listed: list[str], read: float, settled: bool) -> None:
+    """Remember entries as first seen at `read`, the time the refs they announce were last
+    read (after the reads, not before them: the second reading, a cache window later, must
+    come a whole window after the first, however long the first took)."""
+    rows = [{"entry": e, "first_seen": read, "settled": settled} for e in listed]
     if rows:
         connection.execute(insert(seen_entries), rows)
 

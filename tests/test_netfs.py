@@ -26,7 +26,7 @@ from flare.store.hashing import hash_file
 
 DCACHE_S = 2
 """sshfs's directory and attribute cache, shortened from its default 20 s so the test can wait
-it out; the hosts' flare is told the same (FLARE_CACHE_WINDOW)."""
+it out; the hosts' flare is told one second more (FLARE_CACHE_WINDOW), as its defaults are."""
 WORKERS_PER_HOST = 2
 
 
@@ -41,7 +41,8 @@ class Host:
             "FLARE_HOME": str(home),
             "XDG_CONFIG_HOME": str(home / "xdg"),
             "FLARE_REGISTRY": str(self.registry),
-            "FLARE_CACHE_WINDOW": f"{DCACHE_S}s",
+            # as flare's own defaults: the client's cache, and a second for the kernel's
+            "FLARE_CACHE_WINDOW": f"{DCACHE_S + 1}s",
             "FLARE_BUILD_TARGET": "none",  # eager packages: tests/test_compiled.py compiles
         }
 
