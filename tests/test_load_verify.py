@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import CliHome
 
 from flare.build.tiny import make_tiny_llama
 from flare.store.package import (
@@ -33,28 +34,8 @@ CORRUPT = 6
 Manifest = dict[str, Any]
 
 
-class Host:
+class Host(CliHome):
     """A FLARE_HOME with alice's key and the tiny Llama built, signed and pulled."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
-        env["FLARE_BUILD_TARGET"] = "none"  # eager packages: tests/test_compiled.py compiles
-        self.env = env | {"FLARE_HOME": str(root), "XDG_CONFIG_HOME": str(root / "xdg")}
-
-    def run(self, *args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            [sys.executable, "-m", "flare", *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == code, (args, done.stdout, done.stderr)
-        if code:
-            assert done.stderr.count("\n") == 1, done.stderr  # one line: no traceback
-            assert "Traceback" not in done.stderr and "internal error" not in done.stderr
-        return done
 
     def serve(self, ref: str, code: int) -> str:
         """`flare serve REF` that must fail with `code`; its one-line error."""

@@ -4,7 +4,6 @@ and only then the blobs, linked, resumable, protected from gc while served."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 from checkpoints import make_synthetic_llama
 from conftest import mount_tmpfs
+from helpers import CliHome
 
 from flare.build.tiny import make_tiny_llama
 from flare.store.package import MANIFEST_KEY, canonical_json
@@ -21,27 +21,8 @@ from flare.store.safetensors import encode_header
 UNTRUSTED, NO_ROOM, UNREADABLE, INCOMPATIBLE = 11, 8, 6, 12
 
 
-class Host:
+class Host(CliHome):
     """One host's environment: its own FLARE_HOME, config and package cache."""
-
-    def __init__(self, root: Path, **extra: str) -> None:
-        self.root = root
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
-        env["FLARE_BUILD_TARGET"] = "none"  # eager packages: tests/test_compiled.py compiles
-        self.env = env | {"FLARE_HOME": str(root), "XDG_CONFIG_HOME": str(root / "xdg")} | extra
-
-    def run(self, *args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            [sys.executable, "-m", "flare", *args],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == code, (args, done.stdout, done.stderr)
-        if code:
-            assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
-        return done
 
     def cached_blobs(self, cache: Path | None = None) -> list[Path]:
         folder = (cache or self.root / "packages") / "blobs"
