@@ -174,14 +174,9 @@ def test_rendezvous_and_join_serve_across_two_homes(
         cached = {p.name for p in (joiner_root / "packages").rglob("*") if p.is_file()}
         for payload in r2.payloads:
             assert (payload.digest.split(":")[1] in cached) == (1 in payload.ranks), payload.ranks
-        zero.send_signal(signal.SIGTERM)
-        assert zero.wait(60) == 0
-        assert peer.wait(30) == 0
+        drain_and_stop(zero, peer)
     finally:
-        for process in (zero, peer):
-            if process.poll() is None:
-                process.kill()
-            process.communicate()
+        reap(zero, peer)
 
 
 def test_rendezvous_and_join_across_two_network_namespaces(
@@ -210,14 +205,9 @@ def test_rendezvous_and_join_across_two_network_namespaces(
             timeout=60,
         )
         assert answer.returncode == 0 and '"completion_tokens":8' in answer.stdout, answer
-        zero.send_signal(signal.SIGTERM)
-        assert zero.wait(60) == 0
-        assert peer.wait(30) == 0
+        drain_and_stop(zero, peer)
     finally:
-        for process in (zero, peer):
-            if process.poll() is None:
-                process.kill()
-            process.communicate()
+        reap(zero, peer)
         for name in names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
@@ -272,3 +262,18 @@ def test_sigterm_on_rank_zero_drains_then_stops_every_rank_with_exit_0(server: S
     while alive(rank1) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(rank1)
+
+
+def drain_and_stop(zero: subprocess.Popen[str], peer: subprocess.Popen[str]) -> None:
+    """SIGTERM on rank zero drains and stops the group: both processes exit 0."""
+    zero.send_signal(signal.SIGTERM)
+    assert zero.wait(60) == 0
+    assert peer.wait(30) == 0
+
+
+def reap(*processes: subprocess.Popen[str]) -> None:
+    """Kill what is still running and collect its output, whatever the test did."""
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
