@@ -226,3 +226,15 @@ def _files(files: Iterable[str]) -> str:
     if not names:
         return "no weight file"
     return names[0] + (f" and {len(names) - 1} more" if names[1:] else "")
+
+
+def decode_batch_sizes(max_concurrency: int) -> list[int]:
+    """The decode batch sizes a package plans for: powers of two below its max concurrency,
+    then the max itself (1, 2, 4, 8, 16, 32 for 32; ..., 32, 48 for 48). Tune measures
+    these sizes at build; serve captures a CUDA graph of each, padding a batch to the next."""
+    sizes = [1]
+    while sizes[-1] * 2 < max_concurrency:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] != max_concurrency:
+        sizes.append(max_concurrency)
+    return sizes

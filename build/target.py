@@ -14,6 +14,7 @@ from typing import Any
 
 from flare import toolchain
 from flare.errors import InvalidInputError
+from flare.model_sizes import decode_batch_sizes
 
 MAX_CONCURRENCY = 32
 """Default: the largest decode batch a package plans for."""
@@ -43,17 +44,6 @@ def check_runtime_options(target: str, max_concurrency: int, prefill_chunk: int)
         raise InvalidInputError(
             f"--prefill-chunk {prefill_chunk} takes no token", "use e.g. --prefill-chunk 8192"
         )
-
-
-def decode_batch_sizes(max_concurrency: int) -> list[int]:
-    """The decode batch sizes a package plans for: powers of two below its max concurrency,
-    then the max itself (1, 2, 4, 8, 16, 32 for 32; ..., 32, 48 for 48)."""
-    sizes = [1]
-    while sizes[-1] * 2 < max_concurrency:
-        sizes.append(sizes[-1] * 2)
-    if sizes[-1] != max_concurrency:
-        sizes.append(max_concurrency)
-    return sizes
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.filesize import decimal
 
@@ -30,6 +31,9 @@ from flare.serve.compilations import Compilations
 from flare.serve.models.files import PackageFiles
 from flare.serve.tuning import Decisions
 from flare.store.digest import Digest
+
+if TYPE_CHECKING:
+    from flare.serve.engine.cuda_graphs import GraphReport
 
 COMPILE_MODES = ("package", "start", "off")
 """`package`: the package's compiled forward if it has one (else eager); `start`: compile at
@@ -98,6 +102,8 @@ class StartReport:
     """Seconds the first steps took: tracing and loading (or compiling) the forward."""
     compilations: Compilations = field(default_factory=Compilations)
     """What the start made (nothing compiled, for a package's matching compiled forward)."""
+    graphs: GraphReport | None = None
+    """The decode steps' CUDA graphs, once captured."""
 
     def describe(self) -> str:
         """How the forward runs and what its start made."""
@@ -113,9 +119,16 @@ class StartReport:
         load, of which the artifacts and warm-up are shown apart; the rest is the weights'
         load, whose rate (`weight_bytes`, the package's payloads, over its time) says how
         near the disk's or the network's speed it came."""
-        weights = load - self.artifacts - self.warm_up
+        graphs = self.graphs.seconds if self.graphs is not None else 0.0
+        weights = load - self.artifacts - self.warm_up - graphs
         rate = f" at {decimal(int(weight_bytes / weights))}/s" if weights > 0 else ""
         parts = f"pull {pull:.2f} s, load {weights:.2f} s ({decimal(weight_bytes)}{rate})"
         if self.forward != "eager":
             parts += f", artifacts {self.artifacts:.2f} s, warm-up {self.warm_up:.2f} s"
+        if self.graphs is not None:
+            sizes = self.graphs.sizes
+            parts += (
+                f", CUDA graphs {self.graphs.seconds:.2f} s "
+                f"({len(sizes)} decode batch sizes, 1 to {sizes[-1]})"
+            )
         return f"ready in {total:.2f} s: {parts}; {self.describe()}"

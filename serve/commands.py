@@ -119,6 +119,14 @@ def serve_command(
             "can run)."
         ),
     ] = Attention.AUTO,
+    cuda_graphs: Annotated[
+        bool,
+        typer.Option(
+            "--cuda-graphs/--no-cuda-graphs",
+            help="Replay decode steps from CUDA graphs captured at start (CUDA, FlashInfer "
+            "attention, one rank); --no-cuda-graphs runs every step's kernels one by one.",
+        ),
+    ] = True,
     max_body_size: Annotated[
         str | None,
         typer.Option(
@@ -193,6 +201,7 @@ def serve_command(
                 limits,
                 "start" if compile_on_start else "package",
                 leader,
+                cuda_graphs,
             )
         except BaseException as exc:
             if leader is not None:

@@ -47,7 +47,7 @@ TRITON = "triton"
 def pack(cache: Path, archive: Path) -> list[str]:
     """Write the cache folder's entries and kernels to `archive`; return the member names."""
     members = sorted(_members(cache))
-    with tarfile.open(archive, "w", format=tarfile.USTAR_FORMAT) as tar:
+    with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT) as tar:
         for name, data in members:
             info = tarfile.TarInfo(name)
             info.size = len(data)

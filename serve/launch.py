@@ -105,6 +105,7 @@ def load_package_app(
     limits: BodyLimits | None = None,
     compile_mode: str = "package",
     leader: RankLeader | None = None,
+    cuda_graphs: bool = True,
 ) -> tuple[Runtime, FastAPI]:
     """Load the pulled package on the device pull admitted it for (printing what it cost)
     and make its API app; a multi-rank package as rank zero of `leader`'s group, once every
@@ -125,6 +126,7 @@ def load_package_app(
         compile_root=cache.root / "compiled",
         group=leader.group if leader is not None else None,
         on_group_failure=leader.collective_failed if leader is not None else None,
+        cuda_graphs=cuda_graphs,
     )
     ranks_text = ""
     if leader is not None:

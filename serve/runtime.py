@@ -31,7 +31,9 @@ from flare.serve.compiled import CompiledForward, use_cache_folder, warm_up
 from flare.serve.engine.attention import AttentionBackend
 from flare.serve.engine.attention_choice import make_attention
 from flare.serve.engine.block_manager import BlockManager
+from flare.serve.engine.cuda_graphs import DecodeGraphs
 from flare.serve.engine.engine import Engine, EngineStopping
+from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention
 from flare.serve.engine.output import Delta, RequestFailed, RequestHandle
 from flare.serve.engine.runner import ModelRunner
 from flare.serve.engine.scheduler import Scheduler
@@ -88,6 +90,7 @@ def load_runtime(
     compile_root: Path | None = None,
     group: RankGroup | None = None,
     on_group_failure: Callable[[BaseException], None] | None = None,
+    cuda_graphs: bool = True,
 ) -> Runtime:
     """Load the package's model on `device` (fp32 on CPU, bf16 elsewhere unless `dtype` or
     the package's tuning says otherwise); `files` maps every blob's digest text to a local
@@ -97,8 +100,10 @@ def load_runtime(
     (serve/engine/attention_choice.py, `make_attention`; auto: the package's tuned one). A
     generating model's forward is the package's compiled one, compiled at start, or eager, as
     `compile_mode` says (serve/artifacts.py; `compile_root` holds compiled forwards); it is
-    warmed up before this returns, so nothing compiles after. The runtime's `memory_plan`
-    says what each part took.
+    warmed up before this returns, so nothing compiles after. On CUDA, with FlashInfer
+    attention and one rank, decode steps then run from CUDA graphs captured before this
+    returns, unless `cuda_graphs` is off (serve/engine/cuda_graphs.py). The runtime's
+    `memory_plan` says what each part took.
 
     A multi-rank package loads as rank zero of `group` (serve/rank_group.py): its part of
     the model, its forward eager (`on_group_failure` hears of a step the ranks could not
@@ -126,7 +131,7 @@ def load_runtime(
         kv = _kv_sizing(model, target, dtype, memory_reserve, kv_cache_tokens)
         ranks = (group, on_group_failure) if group is not None else None
         runtime = GenerateRuntime(
-            package, model, target, dtype, kv.tokens, attention, prepared, ranks
+            package, model, target, dtype, kv.tokens, attention, prepared, ranks, cuda_graphs
         )
     runtime.memory_plan = _memory_plan(runtime, model, target, dtype, kv, memory_reserve, world)
     return runtime
@@ -229,6 +234,7 @@ class GenerateRuntime(Runtime):
         attention_kind: str = "auto",
         prepared: RuntimeArtifacts | None = None,
         ranks: tuple[RankGroup, Callable[[BaseException], None] | None] | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         prepared = prepared or RuntimeArtifacts("eager", None, why="none was asked for")
         decisions = prepared.decisions
@@ -238,7 +244,6 @@ class GenerateRuntime(Runtime):
         num_blocks = tokens // block
         if num_blocks < 1:
             raise InvalidInputError(f"a KV cache of {tokens} tokens holds no {block}-block")
-        super().__init__(package, min(model.context_length, num_blocks * block))
         self.vocab_size = model.vocab_size
         self.dtype = dtype
         if decisions is not None and attention_kind == "auto":
@@ -252,8 +257,17 @@ class GenerateRuntime(Runtime):
             device,
             decisions.variant if decisions else None,
         )
+        graphs = (
+            cuda_graphs
+            and ranks is None
+            and isinstance(attention, FlashInferPagedAttention)
+            and num_blocks > 1
+        )
+        usable = num_blocks - 1 if graphs else num_blocks  # the last block pads graph batches
+        super().__init__(package, min(model.context_length, usable * block))
         options = package.manifest.options
-        blocks = BlockManager(num_blocks, block)
+        max_concurrency = int(options.get("max_concurrency", MAX_NUM_SEQS))
+        blocks = BlockManager(usable, block)
         if ranks is not None:
             group, on_failure = ranks
             runner: ModelRunner = LeaderRunner(
@@ -261,16 +275,29 @@ class GenerateRuntime(Runtime):
             )
             self.start_report = StartReport("eager", prepared.why)
         else:
+            before = compilations.snapshot()
             runner, self.start_report = _start_forward(
                 model, attention, block, device, prepared, blocks
             )
+            if graphs:
+                assert isinstance(attention, FlashInferPagedAttention)
+                replay = DecodeGraphs(
+                    runner.forward,
+                    attention,
+                    max_concurrency,
+                    max_pages=max_concurrency * -(-self.context_length // block),
+                    pad_block=usable,
+                )
+                self.start_report.graphs = replay.capture()
+                self.start_report.compilations = compilations.snapshot() - before
+                runner.graphs = replay
         self.runner = runner
         self.rank_reports: dict[int, dict[str, float]] = {}
         """Each rank's load: seconds, weight and KV bytes (set once every rank is ready)."""
         batched_tokens = int(options.get("prefill_chunk", MAX_BATCHED_TOKENS))
         scheduler = Scheduler(
             blocks,
-            int(options.get("max_concurrency", MAX_NUM_SEQS)),
+            max_concurrency,
             max(batched_tokens, self.context_length),
         )
         self.engine = Engine(runner, scheduler, self.tokenizer, self.eos_token_ids)
@@ -468,8 +495,10 @@ def _memory_plan(
 ) -> MemoryPlan:
     """The loaded runtime's memory: the KV cache and workspace as its attention backend
     allocated them (the tokens in whole blocks), the device's memory as it is now."""
-    cache = workspace = 0
+    cache = workspace = graph_bytes = 0
     if isinstance(runtime, GenerateRuntime):
+        graphs = runtime.start_report.graphs
+        graph_bytes = graphs.bytes if graphs is not None else 0
         backend = runtime.runner.attention
         cache, workspace = backend.cache.nbytes, backend.workspace_bytes
         stats = runtime.kv_stats()
@@ -485,7 +514,7 @@ def _memory_plan(
         kv=kv,
         kv_cache=cache,
         workspace=workspace,
-        graphs=0,
+        graphs=graph_bytes,
         reserve=reserve,
         total=total,
         free=free,

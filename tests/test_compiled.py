@@ -26,8 +26,8 @@ import pytest
 import torch
 from checkpoints import make_llama
 
-from flare.build.target import decode_batch_sizes
 from flare.errors import IntegrityError
+from flare.model_sizes import decode_batch_sizes
 from flare.registry.refs import read_manifest, tag_package
 from flare.serve.compilations import Compilations
 from flare.serve.flashinfer_modules import WORKSPACE, collect
@@ -335,6 +335,21 @@ def test_the_archive_holds_kernels_and_entries_only_with_fixed_metadata(tmp_path
     assert unpack((tmp_path / "a.tar").read_bytes(), tmp_path / "out") is False
     assert (tmp_path / "out" / "ab" / "cabc.main.so").read_bytes() == b"\x7fELF kernel"
     assert unpack((tmp_path / "a.tar").read_bytes(), tmp_path / "out") is True
+
+
+def test_a_member_name_longer_than_a_tar_header_holds_packs_and_unpacks(tmp_path: Path) -> None:
+    """Triton names its cache files after the fused kernel, which passes ustar's 255-byte
+    path limit on real models (the H200 compile failed so): the archive still packs them,
+    the same bytes each time, and unpacks them where they were."""
+    name = f"triton/0/{'A' * 52}/triton_red_fused_{'_'.join(['add_embedding_mean'] * 12)}_9.cubin"
+    assert len(name) > 255
+    (tmp_path / "cache" / name).parent.mkdir(parents=True)
+    (tmp_path / "cache" / name).write_bytes(b"cubin")
+    assert pack(tmp_path / "cache", tmp_path / "a.tar") == [name]
+    pack(tmp_path / "cache", tmp_path / "b.tar")
+    assert (tmp_path / "a.tar").read_bytes() == (tmp_path / "b.tar").read_bytes()
+    unpack((tmp_path / "a.tar").read_bytes(), tmp_path / "out")
+    assert (tmp_path / "out" / name).read_bytes() == b"cubin"
 
 
 @pytest.mark.parametrize("kind", ["symlink", "escape"])

@@ -48,14 +48,15 @@ class FlashInferPagedAttention:
         self.cache = PagedKVCache(spec, num_slots, dtype, device)
         self.pages = (num_slots // block_size, block_size, spec.num_kv_heads, spec.head_dim)
         self.spec, self.dtype, self.block_size = spec, dtype, block_size
-        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace,
-            "NHD",
-            use_tensor_cores=tensor_cores
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.tensor_cores = (
+            tensor_cores
             if tensor_cores is not None
-            else spec.num_heads // spec.num_kv_heads >= TENSOR_CORE_GROUP,
+            else spec.num_heads // spec.num_kv_heads >= TENSOR_CORE_GROUP
+        )
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.tensor_cores
         )
         self._meta: AttentionMetadata | None = None
         self._wrapper: Any = None
@@ -65,26 +66,84 @@ class FlashInferPagedAttention:
         host copies (FlashInfer plans on the host: device tensors would be copied back, a
         sync per step), then the kernel plan of the decode or the prefill wrapper."""
         self._meta = meta
-        pages_per_seq = [-(-ctx // self.block_size) for ctx in meta.context_lens_cpu]
-        tables = zip(meta.block_tables_cpu, pages_per_seq, strict=True)
-        indices = [block for table, n in tables for block in table[:n]]
-        last = [(ctx - 1) % self.block_size + 1 for ctx in meta.context_lens_cpu]
-        kv = (_offsets(pages_per_seq), _int32(indices), _int32(last))
-        spec = self.spec
-        shape = (spec.num_heads, spec.num_kv_heads, spec.head_dim, self.block_size)
-        kinds = {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": spec.scale}
+        pages, indices, last = page_table(
+            meta.context_lens_cpu, meta.block_tables_cpu, self.block_size
+        )
+        kv = (_offsets(pages), _int32(indices), _int32(last))
         if all(n == 1 for n in meta.query_lens_cpu):
             self._wrapper = self._decode
-            self._decode.plan(*kv, *shape, **kinds)
+            self._decode.plan(*kv, *self.plan_shape(), **self.plan_kinds())
         else:
             self._wrapper = self._prefill
             qo_indptr = _offsets(meta.query_lens_cpu)
-            self._prefill.plan(qo_indptr, *kv, *shape, causal=True, **kinds)
+            self._prefill.plan(qo_indptr, *kv, *self.plan_shape(), causal=True, **self.plan_kinds())
+
+    def plan_shape(self) -> tuple[int, int, int, int]:
+        """Query heads, KV heads, head size, page size: what every plan takes."""
+        spec = self.spec
+        return spec.num_heads, spec.num_kv_heads, spec.head_dim, self.block_size
+
+    def plan_kinds(self) -> dict[str, Any]:
+        return {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": self.spec.scale}
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self._meta is not None, "plan() must run before attend()"
         k_cache, v_cache = self.cache.store(layer, self._meta.slot_mapping, k, v)
         return self._wrapper.run(q, (k_cache.view(self.pages), v_cache.view(self.pages)))
+
+
+class FlashInferGraphDecode:
+    """Decode steps of one fixed batch size, as a CUDA graph captures them (cuda_graphs.py):
+    FlashInfer's decode wrapper in its CUDA-graph mode, whose page table lives in buffers of
+    fixed size and address that `plan` refills on the host before each replay, and new keys and
+    values stored through a fixed slot buffer the caller fills. Shares the cache and the
+    workspace of `base` (one step runs at a time)."""
+
+    workspace_bytes = 0
+
+    def __init__(
+        self,
+        base: FlashInferPagedAttention,
+        slots: torch.Tensor,
+        indices: torch.Tensor,
+    ) -> None:
+        """`slots` ([batch] int64) and `indices` (int32, room for every page a step may name)
+        are on the device; the batch size is `slots`' length."""
+        import flashinfer
+
+        self.base, self.cache, self.slots = base, base.cache, slots
+        batch, device = len(slots), slots.device
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            base.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=base.tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=device),
+            paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=device),
+        )
+
+    def plan_pages(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
+        """The step's page table: `indptr` and `last` on the host (pinned), `indices` already
+        on the device, so nothing here waits for the GPU."""
+        base = self.base
+        self._decode.plan(indptr, indices, last, *base.plan_shape(), **base.plan_kinds())
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.cache.store(layer, self.slots, k, v)
+        pages = self.base.pages
+        return self._decode.run(q, (k_cache.view(pages), v_cache.view(pages)))
+
+
+def page_table(
+    context_lens: list[int], tables: list[list[int]], block_size: int
+) -> tuple[list[int], list[int], list[int]]:
+    """FlashInfer's view of a batch's KV: pages per sequence (its blocks up to its context),
+    those pages one after another, and how full each sequence's last page is."""
+    pages = [-(-ctx // block_size) for ctx in context_lens]
+    indices = [block for table, n in zip(tables, pages, strict=True) for block in table[:n]]
+    last = [(ctx - 1) % block_size + 1 for ctx in context_lens]
+    return pages, indices, last
 
 
 def _offsets(counts: list[int]) -> torch.Tensor:

@@ -57,6 +57,16 @@ class EagerForward:
         return self.model.compute_logits(hidden[last]).float()
 
 
+class DecodeReplay(Protocol):
+    """Decode steps replayed from captured CUDA graphs (cuda_graphs.py)."""
+
+    def fits(self, step: StepInput) -> bool:
+        """Whether a captured graph can run this step."""
+
+    def run(self, step: StepInput) -> torch.Tensor:
+        """The step's float32 logits [sequences, vocab]."""
+
+
 @dataclass(frozen=True)
 class StepInput:
     """One step's batch as plain lists: what rank zero sends the other tensor-parallel ranks
@@ -94,6 +104,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.forward = forward or EagerForward(model)
+        self.graphs: DecodeReplay | None = None
+        """Set once decode graphs are captured; the steps they fit replay them."""
 
     def run(self, seqs: list[Sequence], prefill: bool) -> torch.Tensor:
         """Float32 logits [len(seqs), vocab] at each sequence's last position."""
@@ -102,6 +114,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, step: StepInput) -> torch.Tensor:
         """The forward of one step's batch, however it was scheduled."""
+        if self.graphs is not None and self.graphs.fits(step):
+            return self.graphs.run(step)
         input_ids, positions, meta = self.tensors(step)
         self.attention.plan(meta)
         last = meta.query_start_loc[1:] - 1

@@ -1,0 +1,171 @@
+"""Decode steps replayed from CUDA graphs: one graph per batch size, captured at start.
+
+A decode step of a small model is mostly launch overhead: the eager 1B Llama launched about
+750 kernels a step, 16 ms of host time for 2 ms of GPU work. A CUDA graph records a step's
+kernels once and replays them with one launch. A graph replays fixed addresses and shapes, so
+each captured batch size has its own FlashInfer decode wrapper in CUDA-graph mode (its page
+table in fixed buffers), and all sizes share static inputs (token ids, positions, KV slots)
+and one memory pool (captured largest first, as PyTorch advises). The sizes are the decode
+batch sizes the package plans for (model_sizes.decode_batch_sizes: powers of two, then its
+max concurrency); a step of n sequences replays the graph of the smallest of at least n. At
+decode sizes a step reads every weight once whatever its batch, so padding costs little; the
+rows past n read and write a KV block kept aside for them (the pad block, which the block
+manager never hands out), and their logits are dropped.
+
+Before each replay the host writes the step's inputs and page table into pinned buffers and
+copies them to the device without waiting, then plans FlashInfer's kernels (a host-side
+computation whose results FlashInfer copies into its own buffers, also without waiting).
+Prefill steps, and decode batches larger than the largest graph, run the forward as before.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flare.model_sizes import decode_batch_sizes
+from flare.serve.engine.flashinfer_attention import (
+    FlashInferGraphDecode,
+    FlashInferPagedAttention,
+    page_table,
+)
+from flare.serve.engine.runner import Forward, StepInput
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    attention: FlashInferGraphDecode
+    logits: torch.Tensor
+    """The graph's output, [batch, vocab] float32, overwritten by every replay."""
+
+
+@dataclass(frozen=True)
+class GraphReport:
+    """What capture made, for the ready line and the memory plan."""
+
+    sizes: list[int]
+    seconds: float
+    bytes: int
+    """Device memory the capture took: the graphs' pool, their wrappers' buffers."""
+
+
+class DecodeGraphs:
+    """Every captured decode graph of one runner, and the buffers they replay from."""
+
+    def __init__(
+        self,
+        forward: Forward,
+        attention: FlashInferPagedAttention,
+        max_batch: int,
+        max_pages: int,
+        pad_block: int,
+    ) -> None:
+        """`max_pages`: the most KV pages one step may name (prefix-shared blocks count once
+        per sequence); `pad_block`: the KV block padding rows use."""
+        self.forward, self.attention = forward, attention
+        self.block_size = attention.block_size
+        self.pad_block = pad_block
+        self.sizes = decode_batch_sizes(max_batch)
+        top, device = self.sizes[-1], attention.cache.k.device
+        self._inputs = [torch.zeros(top, dtype=torch.int64, device=device) for _ in range(3)]
+        """Token ids, positions, KV slots: three tensors of their own, as the forward was traced
+        with (a view at an offset would fail a compiled forward's guards, and compile again)."""
+        self._inputs_host = torch.zeros((3, top), dtype=torch.int64, pin_memory=True)
+        self._last = torch.arange(top, dtype=torch.int64, device=device)
+        self._indices = torch.zeros(max_pages, dtype=torch.int32, device=device)
+        self._wrapper_indices = torch.zeros(max_pages, dtype=torch.int32, device=device)
+        """The page indices every size's wrapper reads (its plan copies `_indices` there)."""
+        self._indices_host = torch.zeros(max_pages, dtype=torch.int32, pin_memory=True)
+        self._table_host = torch.zeros((2, top + 1), dtype=torch.int32, pin_memory=True)
+        """FlashInfer's indptr (top + 1) and last page lengths (top), on the host."""
+        self._graphs: dict[int, _Graph] = {}
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def fits(self, step: StepInput) -> bool:
+        """Whether a graph can run this step: a decode step (one new token per sequence) of
+        no more sequences than the largest graph."""
+        return len(step.query_lens) <= self.max_batch and all(n == 1 for n in step.query_lens)
+
+    @torch.inference_mode()
+    def capture(self) -> GraphReport:
+        """Capture every size, largest first, into one memory pool; each size's forward is
+        run once before its capture (kernels loaded, cuBLAS's workspace made)."""
+        device = self._last.device
+        torch.cuda.synchronize(device)
+        free, _ = torch.cuda.mem_get_info(device)
+        started = time.perf_counter()
+        pool = None
+        for size in reversed(self.sizes):
+            self._graphs[size] = self._capture(size, pool)
+            pool = self._graphs[size].graph.pool()
+        torch.cuda.synchronize(device)
+        taken = free - torch.cuda.mem_get_info(device)[0]
+        return GraphReport(self.sizes, time.perf_counter() - started, max(0, taken))
+
+    def _capture(self, size: int, pool: tuple[int, int] | None) -> _Graph:
+        ids, positions, slots = (tensor[:size] for tensor in self._inputs)
+        attention = FlashInferGraphDecode(self.attention, slots, self._wrapper_indices)
+        self._fill(self._pad_step(size), attention, size)
+        args = (ids, positions, self._last[:size])
+        self.forward(*args, attention)
+        torch.cuda.synchronize(self._last.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self.forward(*args, attention)
+        return _Graph(graph, attention, logits)
+
+    def _pad_step(self, rows: int) -> StepInput:
+        """`rows` padding rows: each a one-token sequence in the pad block."""
+        slot = self.pad_block * self.block_size
+        return StepInput(
+            ids=[0] * rows,
+            positions=[0] * rows,
+            slots=[slot] * rows,
+            query_lens=[1] * rows,
+            context_lens=[1] * rows,
+            tables=[[self.pad_block]] * rows,
+        )
+
+    def run(self, step: StepInput) -> torch.Tensor:
+        """The step's float32 logits [sequences, vocab], from the smallest graph that holds
+        it. The tensor is the graph's output: read it before the next step."""
+        rows = len(step.ids)
+        size = next(n for n in self.sizes if n >= rows)
+        graph = self._graphs[size]
+        if size > rows:
+            pad = self._pad_step(size - rows)
+            step = StepInput(*(a + b for a, b in zip(_fields(step), _fields(pad), strict=True)))
+        self._fill(step, graph.attention, size)
+        graph.graph.replay()
+        return graph.logits[:rows]
+
+    def _fill(self, step: StepInput, attention: FlashInferGraphDecode, size: int) -> None:
+        """Write the step's inputs and page table where the graph of `size` reads them: into
+        the pinned buffers, then to the device without a sync, then FlashInfer's plan."""
+        host = self._inputs_host.numpy()
+        host[0, :size], host[1, :size], host[2, :size] = step.ids, step.positions, step.slots
+        for tensor, values in zip(self._inputs, self._inputs_host, strict=True):
+            tensor[:size].copy_(values[:size], non_blocking=True)
+        pages, indices, last = page_table(step.context_lens, step.tables, self.block_size)
+        self._indices_host.numpy()[: len(indices)] = indices
+        self._indices[: len(indices)].copy_(self._indices_host[: len(indices)], non_blocking=True)
+        table = self._table_host.numpy()
+        table[0, 0] = 0
+        np.cumsum(pages, out=table[0, 1 : size + 1])
+        table[1, :size] = last
+        attention.plan_pages(
+            self._table_host[0, : size + 1],
+            self._indices[: len(indices)],
+            self._table_host[1, :size],
+        )
+
+
+def _fields(step: StepInput) -> tuple[list, ...]:
+    return (step.ids, step.positions, step.slots, step.query_lens, step.context_lens, step.tables)
