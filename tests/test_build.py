@@ -9,12 +9,13 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoints import make_llama
-from safetensors.torch import load, load_file
+from safetensors.torch import load, load_file, save_file
 
 from flare.build.pipeline import Build, BuildRequest, PhaseReport
 from flare.errors import InvalidInputError, NotFoundError
@@ -174,6 +175,44 @@ def test_fused_tensors_are_their_parts_bytes_one_after_another(
         for name, parts in fused.items():
             want = torch.cat([as_bytes(original[part].chunk(ranks)[rank]) for part in parts])
             assert torch.equal(as_bytes(stored[name]), want), (name, rank)
+
+
+def edited_checkpoint(
+    source: Path, folder: Path, edit: Callable[[dict[str, torch.Tensor]], None]
+) -> Path:
+    """A copy of the checkpoint whose tensors `edit` changed (in place, on the dict)."""
+    shutil.copytree(source, folder)
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_parts_of_another_dtype_are_refused_at_plan_time(checkpoints: Path, tmp_path: Path) -> None:
+    def half_v(tensors: dict[str, torch.Tensor]) -> None:
+        name = "model.layers.1.self_attn.v_proj.weight"
+        tensors[name] = tensors[name].half()
+
+    source = edited_checkpoint(checkpoints / "LlamaForCausalLM", tmp_path / "ck", half_v)
+    with pytest.raises(
+        FormatError,
+        match=r"cannot fuse model\.layers\.1\.self_attn\.qkv_proj\.weight: .* but "
+        r"model\.layers\.1\.self_attn\.v_proj\.weight is F16\[32, 64\]",
+    ):
+        build(source, tmp_path)
+
+
+def test_biases_on_some_of_the_parts_are_refused(checkpoints: Path, tmp_path: Path) -> None:
+    def drop_k_bias(tensors: dict[str, torch.Tensor]) -> None:
+        del tensors["model.layers.0.self_attn.k_proj.bias"]
+
+    source = edited_checkpoint(checkpoints / "Qwen2ForCausalLM", tmp_path / "ck", drop_k_bias)
+    with pytest.raises(
+        FormatError,
+        match=r"holds model\.layers\.0\.self_attn\.q_proj\.bias but not "
+        r"model\.layers\.0\.self_attn\.k_proj\.bias",
+    ):
+        build(source, tmp_path)
 
 
 def test_replicated_payloads_are_one_blob_for_all_ranks(checkpoints: Path, tmp_path: Path) -> None:

@@ -92,6 +92,23 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Package, Package]:
     return build_both(make_llama(root / "checkpoint", "Qwen2ForCausalLM"), root, 1)
 
 
+def make_biased_llama(folder: Path) -> Path:
+    """Llama with `attention_bias` (q/k/v and o_proj biases) and `mlp_bias` (gate/up/down)."""
+    import transformers
+
+    make_llama(folder)
+    config = transformers.LlamaConfig.from_pretrained(folder)
+    config.attention_bias = config.mlp_bias = True
+    torch.manual_seed(5)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # transformers starts biases at zero: make them count
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def llama_tp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Package, Package]:
     root = tmp_path_factory.mktemp("tp2")
@@ -204,3 +221,24 @@ def test_a_fused_map_in_another_order_is_refused(qwen2: tuple[Package, Package])
         FormatError, match=r"fuses model\.layers\.0\.mlp\.gate_up_proj\.weight from"
     ):
         load_model(PackageFiles(swapped, files), CPU, torch.float32)
+
+
+def test_a_llama_with_attention_and_mlp_biases_answers_as_transformers(tmp_path: Path) -> None:
+    """Every bias fused or replicated: qkv_proj's and gate_up_proj's are their parts', o_proj's
+    and down_proj's are added once after the ranks' sum; at 1 and 2 ranks."""
+    checkpoint = make_biased_llama(tmp_path / "checkpoint")
+    fused = {}
+    for ranks in (1, 2):
+        fused[ranks], _ = build_both(checkpoint, tmp_path / f"r{ranks}", ranks)
+    assert "model.layers.0.mlp.gate_up_proj.bias" in names(fused[1][0])
+    ids = prompt()
+    logits, tokens = answer(runner(fused[1]), ids)
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = reference(torch.tensor([ids])).logits[0]
+    assert (logits - expected).abs().max().item() <= 1e-4
+    parts = in_threads(2, lambda rank, group: answer(runner(fused[2], Shard(rank, 2, group)), ids))
+    for part_logits, part_tokens in parts:
+        assert (part_logits - logits).abs().max().item() <= 1e-4 and part_tokens == tokens
