@@ -144,7 +144,8 @@ class Attention(nn.Module):
         self.layer = layer
         qkv_bias = bool(config.get("attention_bias")) or _is_qwen2(config)
         o_bias = bool(config.get("attention_bias")) and not _is_qwen2(config)
-        self.sizes = [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2
+        kv = self.kv_heads * self.head_dim
+        self.sizes = (self.heads * self.head_dim, kv, kv)
         self.qkv_proj = nn.Linear(hidden, sum(self.sizes), bias=qkv_bias)
         self.o_proj = RowParallelLinear(self.heads * self.head_dim, hidden, o_bias, shard)
         if _is_qwen3(config):
