@@ -153,14 +153,20 @@ def check_sizes(
 
 def manifest_shapes(manifest: Manifest) -> dict[str, Shaped]:
     """Every tensor of a package with its whole shape (a split part times its parts), and
-    the payload that holds it: what `check_sizes` compares a package's config.json with."""
+    the payload that holds it: what `check_sizes` compares a package's config.json with. A
+    fused tensor's parts are listed too, with the rows the manifest gives them, so the sizes
+    they witness (heads, intermediate size) are checked in either layout."""
     shapes: dict[str, Shaped] = {}
+    fused = manifest.recipe.fused or {}
     for payload in manifest.payloads:
         for tensor in payload.tensors:
             shape = list(tensor.shape)
             if tensor.split is not None:
                 shape[tensor.split.dim] *= tensor.split.parts
-            shapes[tensor.name] = _Held(tuple(shape), f"payload {payload.digest}")
+            where = f"payload {payload.digest}"
+            shapes[tensor.name] = _Held(tuple(shape), where)
+            for part in fused.get(tensor.name, ()):
+                shapes[part.name] = _Held((part.rows, *shape[1:]), where)
     return shapes
 
 

@@ -1,7 +1,8 @@
 """Writing a payload: a safetensors file made of the checkpoint's bytes, never of arrays.
 
-The header is computed from the plan; each tensor's bytes are runs of the source file (one
-run for a whole tensor or a dim-0 slice, one per row for a later dim). The store copies those
+The header is computed from the plan; each tensor's bytes are runs of its source files (one
+run for a whole tensor or a dim-0 slice, one per row for a later dim; a fused tensor is its
+pieces' dim-0 runs one after another). The store copies those
 runs file to file in the kernel (store/splice.py); peers and remote stores read them as one
 stream instead. `PayloadWriter` is rank zero's side of it for one build: each payload taken
 from the journal, written here, or journaled once another rank stored it.
@@ -52,17 +53,18 @@ def payload_pieces(
     """The payload as pieces: its header, then each tensor's runs of its (open) source file
     under `root`. Each source must still be the file resolve hashed (`states`), before the
     bytes are read and after: else the manifest's source digests would lie."""
-    paths = {t.source.file: root / t.source.file for t in payload.tensors}
+    sources = [piece.source for tensor in payload.tensors for piece in tensor.pieces]
+    paths = {source.file: root / source.file for source in sources}
     _check_unchanged(paths, states)
     with ExitStack() as stack:
         fds: dict[str, int] = {}
         pieces: list[Piece] = [encode_header([t.spec for t in payload.tensors], {})]
-        for tensor in payload.tensors:
-            name = tensor.source.file
+        for piece in (piece for tensor in payload.tensors for piece in tensor.pieces):
+            name = piece.source.file
             if name not in fds:
                 fds[name] = _open(paths[name])
                 stack.callback(os.close, fds[name])
-            pieces.append(FileRuns(fds[name], *tensor.regions()))
+            pieces.append(FileRuns(fds[name], *piece.regions()))
         yield pieces
     _check_unchanged(paths, states)
 

@@ -28,7 +28,7 @@ from flare.build.journal import Journal, inputs_digest
 from flare.build.kernel_cache import KernelCache
 from flare.build.payloads import PayloadWriter, WrittenPayload, planned_size
 from flare.build.phases import Events, PhaseLog, PhaseReport
-from flare.build.plan import PAYLOAD_BYTES, PlannedPayload, plan_payloads
+from flare.build.plan import PAYLOAD_BYTES, PlannedPayload, fused_layout, plan_payloads
 from flare.build.ranks import Leader
 from flare.build.recipes import recipe_for
 from flare.build.recipes.base import Recipe, check_tensors
@@ -261,7 +261,10 @@ class Build:
                 *tuning["artifacts"],
                 *compiled["artifacts"],
             ]
-            manifest = self._manifest(source, files, recipe, config, assembled, build_key, prepared)
+            recipe_entry = _recipe_entry(recipe, config, plan)
+            manifest = self._manifest(
+                source, files, recipe_entry, config, assembled, build_key, prepared
+            )
             digest = self._publish(manifest)
         return BuildResult(
             self.request.name, self.request.tag, digest, manifest, self.phases.reports
@@ -337,8 +340,9 @@ class Build:
         def shard() -> PhaseOutput:
             expected = recipe.expected(config, request.ranks)
             file_digests = {n: f["digest"] for n, f in files.items()}
+            fused = recipe.fused(tensors)
             plan = plan_payloads(
-                expected, tensors, file_digests, request.ranks, request.payload_bytes
+                expected, tensors, file_digests, request.ranks, request.payload_bytes, fused
             )
             return PhaseOutput({"payloads": [p.describe() for p in plan]})
 
@@ -487,13 +491,12 @@ class Build:
         self,
         source: Source,
         files: dict,
-        recipe: Recipe,
+        recipe: dict[str, Any],
         config: dict,
         assembled: dict,
         build_key: Digest,
         prepared: Preparation,
     ) -> Manifest:
-        architecture = config["architectures"][0]
         return Manifest.model_validate_json(
             canonical_json(
                 {
@@ -505,7 +508,7 @@ class Build:
                         "revision": source.revision,
                         "files": [{"path": n, **f} for n, f in sorted(files.items())],
                     },
-                    "recipe": {**_recipe_id(recipe), "architecture": architecture},
+                    "recipe": recipe,
                     "options": self.request.options(),
                     "ranks": self.request.ranks,
                     "toolchain": {"runtime_abi": RUNTIME_ABI, **prepared.toolchain},
@@ -588,6 +591,16 @@ def _prepared_entry(
         "target": prepared.target,
         "shapes": shapes,
     }
+
+
+def _recipe_entry(
+    recipe: Recipe, config: dict[str, Any], plan: list[PlannedPayload]
+) -> dict[str, Any]:
+    """The manifest's `recipe`: which, for which architecture, and the fused tensors' parts
+    (left out when nothing is fused, as in every package of a recipe that fuses nothing)."""
+    entry = {**_recipe_id(recipe), "architecture": config["architectures"][0]}
+    layout = fused_layout(plan)
+    return entry | {"fused": layout} if layout else entry
 
 
 def _recipe_id(recipe: Recipe) -> dict[str, Any]:

@@ -118,10 +118,27 @@ class Model(Strict):
     files: tuple[SourceFile, ...]
 
 
+class FusedPart(Strict):
+    """One checkpoint tensor inside a fused payload tensor: its name and its whole dim 0."""
+
+    name: str = Field(min_length=1)
+    rows: Annotated[int, Field(ge=1)]
+
+
 class Recipe(Strict):
     name: str
     version: Annotated[int, Field(ge=1)]
     architecture: str
+    fused: dict[str, tuple[FusedPart, ...]] | None = None
+    """Payload tensor → the checkpoint tensors it concatenates on dim 0, in order (llama v2's
+    qkv_proj, gate_up_proj); rank R's part of it is each checkpoint tensor's part R in turn."""
+
+    @model_validator(mode="after")
+    def _fused_have_parts(self) -> Recipe:
+        for name, parts in (self.fused or {}).items():
+            if len(parts) < 2:
+                raise ValueError(f"fused tensor {name} lists {len(parts)} part, not 2 or more")
+        return self
 
 
 class Toolchain(Strict):
@@ -267,6 +284,7 @@ def decode_index(data: bytes, where: str) -> Manifest:
         location = ".".join(str(part) for part in first["loc"])
         raise FormatError(f"{where}: manifest field {location}: {first['msg']}") from exc
     _check_payload_ranks(manifest, where)
+    _check_fused(manifest, where)
     return manifest
 
 
@@ -307,6 +325,44 @@ def _check_payload_ranks(manifest: Manifest, where: str) -> None:
             raise FormatError(f"{where}: payload {payload.digest} names a rank >= {manifest.ranks}")
         if len(set(payload.ranks)) != len(payload.ranks):
             raise FormatError(f"{where}: payload {payload.digest} names a rank twice")
+
+
+def _check_fused(manifest: Manifest, where: str) -> None:
+    """Each fused tensor is in the payloads, its parts are not, and its rows are the parts'
+    (each part split like the whole): a reader can find every part's rows from the map."""
+    fused = manifest.recipe.fused or {}
+    listed = [t for p in manifest.payloads for t in p.tensors]
+    names = {t.name for t in listed}
+    parts = [part.name for whole in fused.values() for part in whole]
+    for name, whole in fused.items():
+        held = [t for t in listed if t.name == name]
+        if not held:
+            raise FormatError(f"{where}: fused tensor {name} is in no payload", MALFORMED_HINT)
+        for tensor in held:
+            _check_fused_rows(name, whole, tensor, where)
+    doubled = sorted({n for n in parts if parts.count(n) > 1 or n in names or n in fused})
+    if doubled:
+        raise FormatError(
+            f"{where}: tensor {doubled[0]} is both a fused tensor's part and listed elsewhere",
+            MALFORMED_HINT,
+        )
+
+
+def _check_fused_rows(
+    name: str, parts: tuple[FusedPart, ...], tensor: PayloadTensor, where: str
+) -> None:
+    split = tensor.split
+    cut = 1 if split is None else split.parts
+    uneven = [part.name for part in parts if part.rows % cut]
+    if (split is not None and split.dim != 0) or uneven or not tensor.shape:
+        problem = f"part {uneven[0]} does not split in {cut}" if uneven else "is not cut on dim 0"
+        raise FormatError(f"{where}: fused tensor {name} {problem}", MALFORMED_HINT)
+    rows = sum(part.rows for part in parts)
+    if tensor.shape[0] * cut != rows:
+        raise FormatError(
+            f"{where}: fused tensor {name} has {tensor.shape[0] * cut} rows, its parts {rows}",
+            MALFORMED_HINT,
+        )
 
 
 MALFORMED_HINT = "the package is malformed: ask its publisher to rebuild it"

@@ -9,19 +9,20 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoints import make_llama
-from safetensors.torch import load, load_file
+from safetensors.torch import load, load_file, save_file
 
 from flare.build.pipeline import Build, BuildRequest, PhaseReport
 from flare.errors import InvalidInputError, NotFoundError
 from flare.registry.refs import read_manifest, resolve_package
 from flare.registry.registry import Registry
 from flare.store import BlobStore, Digest
-from flare.store.package import Manifest
+from flare.store.package import Manifest, Split
 from flare.store.safetensors import FormatError
 
 
@@ -76,13 +77,31 @@ def build(
     return result.digest, read_manifest(store, result.digest), store, events
 
 
-def payload_tensors(store: BlobStore, manifest: Manifest, rank: int) -> dict[str, torch.Tensor]:
+def stored_tensors(store: BlobStore, manifest: Manifest, rank: int) -> dict[str, torch.Tensor]:
     """Everything rank `rank` loads, read back with the safetensors library."""
     tensors: dict[str, torch.Tensor] = {}
     for payload in manifest.payloads:
         if rank in payload.ranks:
             tensors.update(load(store.read_bytes(Digest.parse(payload.digest))))
     return tensors
+
+
+def payload_tensors(store: BlobStore, manifest: Manifest, rank: int) -> dict[str, torch.Tensor]:
+    """What rank `rank` loads under the checkpoint's names: each fused tensor cut back into
+    its parts by the manifest's map (a rank's part holds rows / ranks of each)."""
+    tensors = stored_tensors(store, manifest, rank)
+    for name, parts in (manifest.recipe.fused or {}).items():
+        rows = [part.rows // manifest.ranks for part in parts]
+        tensors |= dict(zip([p.name for p in parts], tensors.pop(name).split(rows), strict=True))
+    return tensors
+
+
+def splits_of(manifest: Manifest) -> dict[str, Split | None]:
+    """Each checkpoint tensor's split, a fused part's the fused tensor's."""
+    splits = {t.name: t.split for p in manifest.payloads for t in p.tensors}
+    for name, parts in (manifest.recipe.fused or {}).items():
+        splits |= {part.name: splits[name] for part in parts}
+    return splits
 
 
 @pytest.mark.parametrize(
@@ -95,7 +114,7 @@ def test_rank_shards_put_back_together_give_the_checkpoint(
     _, manifest, store, _ = build(checkpoints / arch, tmp_path, ranks)
     original = load_file(checkpoints / arch / "model.safetensors")
     per_rank = [payload_tensors(store, manifest, r) for r in range(ranks)]
-    splits = {t.name: t.split for p in manifest.payloads for t in p.tensors}
+    splits = splits_of(manifest)
     for name, tensor in original.items():
         split = splits[name]
         if split is None:
@@ -122,8 +141,78 @@ def test_norms_are_replicated_and_attention_is_split_by_heads(
         if t.name == "model.layers.0.self_attn.o_proj.weight"
     ]
     assert {(t.split.dim, t.split.index) for t in o_proj if t.split} == {(1, 0), (1, 1)}
-    k_proj, _ = by_name["model.layers.0.self_attn.k_proj.weight"]
-    assert k_proj.split is not None and k_proj.split.dim == 0
+    qkv_proj, _ = by_name["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv_proj.split is not None and qkv_proj.split.dim == 0
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.uint8).flatten()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fused_tensors_are_their_parts_bytes_one_after_another(
+    checkpoints: Path, tmp_path: Path, ranks: int
+) -> None:
+    """Qwen2 has q/k/v biases: qkv_proj's weight and bias hold q's, k's and v's bytes in
+    turn, gate_up_proj gate's and up's; with ranks, each part's own slice in turn (so a rank's
+    heads stay whole). The parts themselves are in no payload; the manifest maps them."""
+    _, manifest, store, _ = build(checkpoints / "Qwen2ForCausalLM", tmp_path, ranks)
+    original = load_file(checkpoints / "Qwen2ForCausalLM" / "model.safetensors")
+    assert manifest.recipe.version == 2
+    p = "model.layers.1."
+    fused = {
+        p + "self_attn.qkv_proj.weight": [p + f"self_attn.{x}_proj.weight" for x in "qkv"],
+        p + "self_attn.qkv_proj.bias": [p + f"self_attn.{x}_proj.bias" for x in "qkv"],
+        p + "mlp.gate_up_proj.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+    }
+    for name, parts in fused.items():
+        assert [(f.name, f.rows) for f in manifest.recipe.fused[name]] == [
+            (part, original[part].shape[0]) for part in parts
+        ]
+    for rank in range(ranks):
+        stored = stored_tensors(store, manifest, rank)
+        assert not {part for parts in fused.values() for part in parts} & set(stored)
+        for name, parts in fused.items():
+            want = torch.cat([as_bytes(original[part].chunk(ranks)[rank]) for part in parts])
+            assert torch.equal(as_bytes(stored[name]), want), (name, rank)
+
+
+def edited_checkpoint(
+    source: Path, folder: Path, edit: Callable[[dict[str, torch.Tensor]], None]
+) -> Path:
+    """A copy of the checkpoint whose tensors `edit` changed (in place, on the dict)."""
+    shutil.copytree(source, folder)
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_parts_of_another_dtype_are_refused_at_plan_time(checkpoints: Path, tmp_path: Path) -> None:
+    def half_v(tensors: dict[str, torch.Tensor]) -> None:
+        name = "model.layers.1.self_attn.v_proj.weight"
+        tensors[name] = tensors[name].half()
+
+    source = edited_checkpoint(checkpoints / "LlamaForCausalLM", tmp_path / "ck", half_v)
+    with pytest.raises(
+        FormatError,
+        match=r"cannot fuse model\.layers\.1\.self_attn\.qkv_proj\.weight: .* but "
+        r"model\.layers\.1\.self_attn\.v_proj\.weight is F16\[32, 64\]",
+    ):
+        build(source, tmp_path)
+
+
+def test_biases_on_some_of_the_parts_are_refused(checkpoints: Path, tmp_path: Path) -> None:
+    def drop_k_bias(tensors: dict[str, torch.Tensor]) -> None:
+        del tensors["model.layers.0.self_attn.k_proj.bias"]
+
+    source = edited_checkpoint(checkpoints / "Qwen2ForCausalLM", tmp_path / "ck", drop_k_bias)
+    with pytest.raises(
+        FormatError,
+        match=r"holds model\.layers\.0\.self_attn\.q_proj\.bias but not "
+        r"model\.layers\.0\.self_attn\.k_proj\.bias",
+    ):
+        build(source, tmp_path)
 
 
 def test_replicated_payloads_are_one_blob_for_all_ranks(checkpoints: Path, tmp_path: Path) -> None:

@@ -305,6 +305,12 @@ def test_a_package_config_is_checked_against_its_manifest(llama: Path, tmp_path:
         check_sizes(
             "llama", config | {"num_hidden_layers": 10**9}, shapes, "package tiny's config.json"
         )
+    # the fused qkv_proj's parts still witness the head counts, by the manifest's map
+    with pytest.raises(
+        FormatError,
+        match=r"num_key_value_heads is 2 .* model\.layers\.0\.self_attn\.k_proj\.weight in payload",
+    ):
+        check_sizes("llama", config | {"num_key_value_heads": 2}, shapes, "config.json")
 
 
 # -- item 12: the model id and the digest come from the content, not the folder ---------------

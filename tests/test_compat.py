@@ -17,14 +17,14 @@ from flare.store.package import RUNTIME_ABI, Manifest
 
 CPU_HOST = HostToolchain(
     runtime_abi=RUNTIME_ABI,
-    recipes={"llama": 1, "bert": 1},
+    recipes={"llama": 2, "bert": 1},
     device="cpu",
     devices=1,
     torch="2.13",
 )
 GPU_HOST = HostToolchain(
     runtime_abi=RUNTIME_ABI,
-    recipes={"llama": 1, "bert": 1},
+    recipes={"llama": 2, "bert": 1},
     device="cuda",
     devices=2,
     torch="2.13",
@@ -83,11 +83,17 @@ def test_an_older_runtime_abi_asks_for_a_rebuild(manifest: Manifest) -> None:
 
 def test_an_unknown_recipe_lists_the_known_ones(manifest: Manifest) -> None:
     message = refusal(changed(manifest, recipe__name="mamba"))
-    assert "recipe mamba v1, unknown" in message and "bert, llama" in message
+    assert "recipe mamba v2, unknown" in message and "bert, llama" in message
 
 
 def test_a_newer_recipe_version(manifest: Manifest) -> None:
-    assert "knows up to v1" in refusal(changed(manifest, recipe__version=2))
+    assert "knows up to v2" in refusal(changed(manifest, recipe__version=3))
+
+
+def test_an_older_recipe_version_still_fits(manifest: Manifest) -> None:
+    """A llama package built before the fused layout (v1) is still served."""
+    assert manifest.recipe.version == 2
+    check_compatible(changed(manifest, recipe__version=1, recipe__fused=None), CPU_HOST)
 
 
 @pytest.mark.parametrize(
@@ -140,7 +146,7 @@ CPU_TOOLCHAIN = {
 }
 COMPILING_HOST = HostToolchain(
     runtime_abi=RUNTIME_ABI,
-    recipes={"llama": 1, "bert": 1},
+    recipes={"llama": 2, "bert": 1},
     device="cpu",
     devices=1,
     torch="2.13.0+cpu",

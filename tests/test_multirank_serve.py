@@ -80,6 +80,7 @@ def test_the_ranks_parts_give_the_one_rank_logits_and_transformers_tokens(
     whole = package(home, f"{name}:r1", tmp_path / "r1")
     parts = package(home, f"{name}:r{ranks}", tmp_path / f"r{ranks}")
     assert all(len(p.ranks) in (1, ranks) for p in parts[0].payloads)
+    assert parts[0].recipe.fused  # each rank's q, k, v parts in turn, as one qkv_proj
     ids = prompt()
     expected, _ = greedy(rank_runner(*whole, 0, None), ids, 1)
     results = in_threads(

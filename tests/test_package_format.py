@@ -279,6 +279,50 @@ def test_split_part_beyond_its_parts_is_refused(index: int) -> None:
     refused_index(data, f"manifest field payloads.0.tensors.1.split: .*index {index} is not one of")
 
 
+def fused_data() -> dict[str, Any]:
+    """The manifest with its split MLP tensor a fused one (recipe v2): gate's rows, then up's."""
+    data = changed(manifest_data(), ("payloads", 0, "tensors", 1, "name"), "layers.0.mlp.gu.weight")
+    parts = [
+        {"name": "layers.0.mlp.gate.weight", "rows": 32},
+        {"name": "layers.0.mlp.up.weight", "rows": 32},
+    ]
+    recipe = {**data["recipe"], "version": 2, "fused": {"layers.0.mlp.gu.weight": parts}}
+    return changed(data, ("recipe",), recipe)
+
+
+def test_a_fused_map_is_read_with_its_parts_rows() -> None:
+    manifest = decode_index(index_of(fused_data()), INDEX)
+    assert manifest.recipe.fused is not None
+    assert [p.rows for p in manifest.recipe.fused["layers.0.mlp.gu.weight"]] == [32, 32]
+    assert decode_index(encode_index(manifest), INDEX) == manifest
+
+
+FUSED = ("recipe", "fused", "layers.0.mlp.gu.weight")
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "match"),
+    [
+        ((*FUSED, 0, "rows"), 30, "fused tensor layers.0.mlp.gu.weight has 64 rows, its parts 62"),
+        ((*FUSED, 0, "rows"), 33, "fused tensor layers.0.mlp.gu.weight part layers.0.mlp.gate"),
+        ((*FUSED, 1, "name"), "norm.weight", "norm.weight is both a fused tensor's part and "),
+        ((*FUSED, 1, "name"), "layers.0.mlp.gate.weight", "gate.weight is both a fused tensor"),
+        (("payloads", 0, "tensors", 1, "split", "dim"), 1, "gu.weight is not cut on dim 0"),
+        (
+            ("payloads", 0, "tensors", 1, "name"),
+            "other",
+            "fused tensor layers.0.mlp.gu.weight is in no",
+        ),
+        (FUSED, [{"name": "layers.0.mlp.up.weight", "rows": 64}], "fused.* lists 1 part, not 2"),
+        ((*FUSED, 0, "rows"), 0, "manifest field recipe.fused.layers.0.mlp.gu.weight.0.rows"),
+    ],
+)
+def test_a_fused_map_that_does_not_fit_the_payloads_is_refused(
+    path: tuple[str | int, ...], value: Any, match: str
+) -> None:
+    refused_index(index_of(changed(fused_data(), path, value)), match)
+
+
 # -- one meaning for every reader: no repeated keys, no NaN --------------------------------------
 
 

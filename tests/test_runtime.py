@@ -145,6 +145,9 @@ def prompt_ids(runtime: Runtime, text: str) -> list[int]:
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_prompt_logits_match_transformers(packages: dict[str, Package], arch: str) -> None:
     manifest, files, folder = packages[arch]
+    assert manifest.recipe.fused and "model.layers.0.self_attn.qkv_proj.weight" in {
+        t.name for p in manifest.payloads for t in p.tensors
+    }  # what serves is the fused layout (recipe v2)
     model = load_model(PackageFiles(manifest, files), torch.device("cpu"), torch.float32)
     prompt = torch.randint(0, model.vocab_size, (64,), generator=torch.Generator().manual_seed(1))
     seq = Sequence(prompt.tolist(), GREEDY, max_tokens=1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,6 +53,10 @@ class Recipe(Protocol):
 
     def ignores(self, tensor_name: str) -> bool:
         """Tensors some exports carry that the runtime does not need (left out of payloads)."""
+
+    def fused(self, tensor_names: Collection[str]) -> dict[str, tuple[str, ...]]:
+        """The payload tensors made of several checkpoint tensors (concatenated on dim 0, in
+        the order given) that the runtime computes as one: each replaces its parts."""
 
     def artifact_kind(self, path: str) -> str | None:
         """What a non-weight source file is to the runtime, or None if it does not ship."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from flare.build.recipes.base import ARTIFACT_KINDS, Expected
@@ -63,6 +63,9 @@ class BertRecipe:
 
     def ignores(self, tensor_name: str) -> bool:
         return False
+
+    def fused(self, tensor_names: Collection[str]) -> dict[str, tuple[str, ...]]:
+        return {}
 
     def artifact_kind(self, path: str) -> str | None:
         if path in SENTENCE_TRANSFORMERS_FILES or path.endswith("_Pooling/config.json"):

@@ -17,12 +17,16 @@ from flare.errors import FlareError, InvalidInputError
 from flare.model_sizes import LAYOUTS, check_sizes, manifest_shapes
 from flare.serve.models.bert import BertEmbedder, Pooling
 from flare.serve.models.files import PackageFiles
+from flare.serve.models.fused import check_layout
 from flare.serve.models.llama import LlamaForCausalLM
 from flare.serve.models.shard import Shard
 
 
 def _llama(files: PackageFiles, shard: Shard) -> nn.Module:
-    return LlamaForCausalLM(files.require_json("config.json"), shard)
+    model = LlamaForCausalLM(files.require_json("config.json"), shard)
+    manifest = files.manifest
+    check_layout(manifest.recipe.fused, model.fused_parts(), shard.world, manifest.name)
+    return model
 
 
 def _bert(files: PackageFiles, shard: Shard) -> nn.Module:
@@ -36,13 +40,16 @@ Create = Callable[[PackageFiles, Shard], nn.Module]
 
 FAMILIES: dict[tuple[str, int], tuple[str, Create]] = {
     ("llama", 1): ("generate", _llama),
+    ("llama", 2): ("generate", _llama),
     ("bert", 1): ("embed", _bert),
 }
-"""(recipe name, recipe version) → (what the model does, how to build it)."""
+"""(recipe name, recipe version) → (what the model does, how to build it). llama v1 is the
+unfused layout, v2 the fused one: one model serves both (serve/models/fused.py)."""
 
 
 COMPILED: dict[tuple[str, int], Callable[[dict[str, Any]], nn.Module]] = {
     ("llama", 1): LlamaForCausalLM,
+    ("llama", 2): LlamaForCausalLM,
 }
 """(recipe name, recipe version) → the generating model a compiled forward is traced from."""
 

@@ -1,8 +1,13 @@
 """The Llama family forward (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
 Module and parameter names follow the Hugging Face checkpoints, so payload tensors load by
-name. Family differences are config switches: Qwen2's q/k/v biases, Qwen3's per-head q/k
-RMSNorm, Llama's `attention_bias`/`mlp_bias`, llama3 RoPE scaling, tied embeddings.
+name, except two fused projections per layer, which a recipe-v2 package lays out as such:
+`self_attn.qkv_proj` (q, k, v rows one after another: one matmul, then a split) and
+`mlp.gate_up_proj` (gate, up rows: one matmul, then silu(gate) * up). A package built before
+(recipe v1: q_proj, k_proj, v_proj, gate_proj, up_proj) loads into the same parameters, each
+part into its rows (serve/models/fused.py). Family differences are config switches: Qwen2's
+q/k/v biases, Qwen3's per-head q/k RMSNorm, Llama's `attention_bias`/`mlp_bias`, llama3 RoPE
+scaling, tied embeddings.
 
 Tensor parallel (serve/models/shard.py): with a `Shard` of N ranks, each rank holds whole
 query and KV heads (heads / N, KV heads / N: the build refuses KV heads that N does not
@@ -10,7 +15,8 @@ divide), gate/up rows and down columns (intermediate / N), and where the package
 vocabulary, vocab / N rows of embed_tokens and lm_head. o_proj and down_proj are row-parallel
 (a partial sum per rank, all-reduced, the bias added once after); the embedding is a masked
 lookup all-reduced; the logits are all-gathered. Parameter shapes are the rank's part, so the
-payload parts load by name as whole tensors do.
+payload parts load by name as whole tensors do (a fused part is the rank's q, k, v parts in
+turn: the same rows the split parts of a v1 package fill).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch import nn
 from flare.errors import InvalidInputError
 from flare.serve.engine.attention import AttentionBackend, AttentionSpec
 from flare.serve.models.files import load_by_name
+from flare.serve.models.fused import FusedRows, Parts
 from flare.serve.models.shard import Shard
 
 MAX_CONTEXT = 131072
@@ -137,9 +144,9 @@ class Attention(nn.Module):
         self.layer = layer
         qkv_bias = bool(config.get("attention_bias")) or _is_qwen2(config)
         o_bias = bool(config.get("attention_bias")) and not _is_qwen2(config)
-        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=qkv_bias)
+        kv = self.kv_heads * self.head_dim
+        self.sizes = (self.heads * self.head_dim, kv, kv)
+        self.qkv_proj = nn.Linear(hidden, sum(self.sizes), bias=qkv_bias)
         self.o_proj = RowParallelLinear(self.heads * self.head_dim, hidden, o_bias, shard)
         if _is_qwen3(config):
             self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
@@ -151,14 +158,19 @@ class Attention(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         attention: AttentionBackend,
     ) -> torch.Tensor:
-        q = self.q_proj(x).view(-1, self.heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(-1, self.heads, self.head_dim)
+        k = k.view(-1, self.kv_heads, self.head_dim)
+        v = v.view(-1, self.kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         out = attention.attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(-1, self.heads * self.head_dim))
+
+    def fused_rows(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """The fused projection's checkpoint parts and this rank's rows of each, in order."""
+        return {"qkv_proj": tuple(zip(("q_proj", "k_proj", "v_proj"), self.sizes, strict=True))}
 
 
 class MLP(nn.Module):
@@ -167,12 +179,17 @@ class MLP(nn.Module):
         hidden = config["hidden_size"]
         inter = shard.part(config["intermediate_size"], "intermediate_size")
         bias = bool(config.get("mlp_bias"))
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = RowParallelLinear(inter, hidden, bias, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+    def fused_rows(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """The fused projection's checkpoint parts and this rank's rows of each, in order."""
+        return {"gate_up_proj": (("gate_proj", self.inter), ("up_proj", self.inter))}
 
 
 class DecoderLayer(nn.Module):
@@ -265,8 +282,27 @@ class LlamaForCausalLM(nn.Module):
         return self.shard.all_gather(logits) if self.shard.split_vocab else logits
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy every payload tensor into the parameter of the same name; all must be set."""
-        load_by_name(self, tensors, ignore=lambda name: name.endswith("rotary_emb.inv_freq"))
+        """Copy every payload tensor into the parameter of the same name, or a v1 package's
+        q/k/v and gate/up parts into their rows of the fused one; all must be set."""
+        rows = FusedRows(self, self.fused_parts())
+        load_by_name(
+            self, rows.place(tensors), ignore=lambda name: name.endswith("rotary_emb.inv_freq")
+        )
+
+    def fused_parts(self) -> Parts:
+        """Each fused parameter (weight and bias) → its checkpoint parts and this rank's rows
+        of each, in row order: what a v1 package gives in parts."""
+        parts: Parts = {}
+        for i, layer in enumerate(self.model.layers):
+            for kind, module in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+                prefix = f"model.layers.{i}.{kind}."
+                for fused, pieces in module.fused_rows().items():
+                    for field in ("weight", "bias"):
+                        if getattr(getattr(module, fused), field) is not None:
+                            parts[f"{prefix}{fused}.{field}"] = tuple(
+                                (f"{prefix}{part}.{field}", rows) for part, rows in pieces
+                            )
+        return parts
 
 
 def head_dim(config: dict[str, Any]) -> int:
