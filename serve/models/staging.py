@@ -1,9 +1,10 @@
 """Payloads read onto a GPU through a ring of pinned host buffers, hashed as they pass.
 
-Copying a memory-mapped payload's tensors to a GPU one by one moves the weights in 4 KiB
-page faults and pageable host-to-device copies: 0.3 GB/s on an H200 host that reads the same
-blobs at several GB/s. `Staging` reads a payload instead with large sequential reads (`chunk`
-bytes each) into a small ring of pinned host buffers. Each chunk, once read, is copied
+Copying a memory-mapped payload's tensors to a GPU one by one moves the weights through page
+faults and pageable host-to-device copies (the driver stages each through a bounce buffer of
+its own, a copy the host waits for), while the hash reads the map again from memory. `Staging`
+reads a payload instead with large sequential reads (`chunk` bytes each) into a small ring of
+pinned host buffers. Each chunk, once read, is copied
 asynchronously on a side stream into one device buffer of the payload's size, and hashed on a
 thread of its own (BLAKE3 on all cores, the GIL released) while the next chunk is read: the
 reads, the hash and the copies overlap, so the payload arrives at about the speed the host
@@ -25,9 +26,12 @@ import torch
 from flare.store.digest import Digest
 from flare.store.hashing import new_hasher
 
-CHUNK = 32 << 20
-"""Bytes per read: large enough that syscalls, hash calls and copy launches cost nothing,
-small enough that the ring's pinned memory (SLOTS chunks) stays small."""
+CHUNK = 16 << 20
+"""Bytes per read: large enough that a read's syscall, hash call, copy launch and event cost
+nothing beside it; small enough that the ring (SLOTS chunks) stays small, and stays in the
+CPU's last-level cache more than a larger one (reads into 32 MiB buffers ran at half the rate
+of reads into 4 MiB ones on the 2-core VM: every byte the DMA and the hash find in the cache
+is one DRAM does not move again). tests/bench/gpu_load.py --chunk-mb times other sizes."""
 
 SLOTS = 4
 """Buffers in the ring: one being read into, the others' copies and hashes in flight."""
