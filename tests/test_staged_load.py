@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from flare.build.tiny import make_tiny_llama
 from flare.errors import IntegrityError
 from flare.registry.refs import read_manifest
 from flare.registry.registry import Registry
+from flare.serve import models
 from flare.serve.cache import HostCache
 from flare.serve.models.files import PackageFiles
 from flare.serve.models.staging import Staging
@@ -47,12 +49,15 @@ class Quiet:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Manifest, Path]:
-    """The tiny Llama, built into a registry whose store serves as a host cache."""
+    """The tiny Llama in payloads of at most 64 kB (several of them), built into a registry
+    whose store serves as a host cache."""
     root = tmp_path_factory.mktemp("staged")
     source = make_tiny_llama(root / "checkpoint")
     registry = Registry(str(root / "registry"), f"sqlite:///{root / 'index.db'}")
     staging = root / "staging"
-    request = BuildRequest(source=str(source), name="tiny", staging=staging, hub_cache=root)
+    request = BuildRequest(
+        source=str(source), name="tiny", staging=staging, hub_cache=root, payload_bytes=64_000
+    )
     digest = Build(request, registry, Quiet()).run().digest
     manifest = read_manifest(registry.store, digest)
     registry.db.dispose()
@@ -103,6 +108,56 @@ def test_staged_tensors_are_the_mapped_ones(
     assert read.seconds > 0
 
 
+def test_a_payloads_tensors_are_views_of_one_buffer_freed_before_the_next_is_read(
+    cache: tuple[HostCache, Manifest],
+) -> None:
+    """The tensors of a payload share the one buffer its bytes were read into (no copy per
+    tensor), and once load_by_name has copied them into the model that buffer is gone before
+    the next payload's is made: the device holds the weights and one payload, never two."""
+    host, manifest = cache
+    assert len(manifest.payloads) >= 3
+    buffers: list[weakref.ref[torch.UntypedStorage]] = []
+    live_when_read: list[int] = []
+
+    def watched(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            buffer = tensor.untyped_storage()
+            if not buffers or buffers[-1]() is not buffer:
+                buffers.append(weakref.ref(buffer))
+                live_when_read.append(sum(ref() is not None for ref in buffers))
+            del buffer
+            yield name, tensor
+            del tensor
+
+    files = package_files(host, manifest)
+    model = empty_model(files, torch.float32)
+    model.load_weights(watched(files.tensors(0, Staging(CPU, 4096, 2))))
+    assert len(buffers) == len(manifest.payloads)
+    assert live_when_read == [1] * len(manifest.payloads)
+
+
+def test_a_staged_load_casts_into_the_model_as_the_mapped_one_does(
+    cache: tuple[HostCache, Manifest],
+) -> None:
+    """BF16 payloads into a float32 model: every parameter is what the mapped load gives."""
+    host, manifest = cache
+    mapped = empty_model(package_files(host, manifest), torch.float32)
+    mapped.load_weights(package_files(host, manifest).tensors(0))
+    staged = empty_model(package_files(host, manifest), torch.float32)
+    staged.load_weights(package_files(host, manifest).tensors(0, Staging(CPU, 1000, 3)))
+    want = dict(mapped.named_parameters())
+    for name, parameter in staged.named_parameters():
+        assert parameter.dtype == torch.float32
+        assert torch.equal(parameter, want[name]), name
+
+
+def empty_model(files: PackageFiles, dtype: torch.dtype) -> torch.nn.Module:
+    recipe = files.manifest.recipe
+    return models.empty_model(
+        recipe.name, recipe.version, files.require_json("config.json"), CPU, dtype
+    )
+
+
 @pytest.mark.parametrize("where", ["quarter", "middle", "last"])
 def test_a_corrupt_byte_is_refused_before_any_tensor_of_its_payload_and_quarantined(
     cache: tuple[HostCache, Manifest], where: str
@@ -121,6 +176,8 @@ def test_a_corrupt_byte_is_refused_before_any_tensor_of_its_payload_and_quaranti
             handed.append(name)
     assert "moved it to" in refused.value.hint
     assert not set(handed) & {t.name for t in payload.tensors}
+    earlier = manifest.payloads[: manifest.payloads.index(payload)]
+    assert handed == [t.name for p in earlier for t in p.tensors]  # those were sound
     assert not path.exists()
     assert list(host.root.joinpath("quarantine").rglob(Digest.parse(payload.digest).hex + "*"))
     assert files.weights_read is None
