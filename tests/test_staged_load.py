@@ -29,6 +29,7 @@ from flare.serve.models.staging import Staging
 from flare.store.digest import Digest
 from flare.store.hashing import hash_bytes
 from flare.store.package import Manifest, Payload
+from flare.store.safetensors import FormatError
 
 CPU = torch.device("cpu")
 
@@ -158,7 +159,7 @@ def empty_model(files: PackageFiles, dtype: torch.dtype) -> torch.nn.Module:
     )
 
 
-@pytest.mark.parametrize("where", ["quarter", "middle", "last"])
+@pytest.mark.parametrize("where", ["header", "quarter", "middle", "last"])
 def test_a_corrupt_byte_is_refused_before_any_tensor_of_its_payload_and_quarantined(
     cache: tuple[HostCache, Manifest], where: str
 ) -> None:
@@ -169,7 +170,8 @@ def test_a_corrupt_byte_is_refused_before_any_tensor_of_its_payload_and_quaranti
     files = package_files(host, manifest)
     payload = largest(manifest)
     path = files.files[str(payload.digest)]
-    rot(path, {"quarter": payload.size // 4, "middle": payload.size // 2}.get(where, -1))
+    offsets = {"header": 20, "quarter": payload.size // 4, "middle": payload.size // 2}
+    rot(path, offsets.get(where, -1))
     handed: list[str] = []
     with pytest.raises(IntegrityError, match="is corrupt on this host") as refused:
         for name, _ in files.tensors(0, Staging(CPU, 4096, 2)):
@@ -181,6 +183,22 @@ def test_a_corrupt_byte_is_refused_before_any_tensor_of_its_payload_and_quaranti
     assert not path.exists()
     assert list(host.root.joinpath("quarantine").rglob(Digest.parse(payload.digest).hex + "*"))
     assert files.weights_read is None
+
+
+def test_a_manifest_that_lies_about_a_sound_payload_is_refused_and_nothing_is_moved(
+    cache: tuple[HostCache, Manifest],
+) -> None:
+    """A manifest listing a payload's tensors in another order than the blob holds them is
+    refused at the header check, before anything is read onto the device; the blob hashes
+    right, so it stays where it is (the package is malformed, not the host cache)."""
+    host, manifest = cache
+    payload = largest(manifest)
+    lying = payload.model_copy(update={"tensors": tuple(reversed(payload.tensors))})
+    payloads = [lying if p is payload else p for p in manifest.payloads]
+    files = package_files(host, manifest.model_copy(update={"payloads": payloads}))
+    with pytest.raises(FormatError, match="the manifest's order puts it at"):
+        list(files.tensors(0, Staging(CPU, 4096, 2)))
+    assert files.files[str(payload.digest)].exists()
 
 
 def test_a_truncated_blob_is_refused_and_quarantined(cache: tuple[HostCache, Manifest]) -> None:
