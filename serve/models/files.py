@@ -1,14 +1,16 @@
 """A package's files as the runtime reads them: artifacts by path, weights by tensor name.
 
 Nothing is trusted because it lies in the host cache: every blob is checked against the
-manifest as it is read. A payload is memory-mapped and its safetensors header compared with
-the manifest's entry before any tensor is made; the tensors are views of that same map, and
-the map is hashed (BLAKE3 on all threads) while they are copied into the model, so a load
-that returns serves exactly the bytes that were hashed and signed, at little more than the
-cost of reading them. Artifacts are small: each is read once, hashed, and kept. A blob that
-does not hash to its digest is handed to `quarantine` (the host cache moves it aside, so
-the next pull fetches it again); a manifest that disagrees with its own blobs is refused
-(exit 6)."""
+manifest as it is read. A payload's safetensors header is compared with the manifest's entry
+before any tensor is made from it. On the CPU the payload is memory-mapped, the tensors are
+views of that map, and the map is hashed (BLAKE3 on all threads) while they are copied into
+the model, so a load that returns serves exactly the bytes that were hashed and signed, at
+little more than the cost of reading them. On a GPU the payload is read in large chunks
+through pinned buffers into one device buffer, hashed as it passes (staging.py), and its
+tensors are views of that buffer, made only once its digest matched. Artifacts are small:
+each is read once, hashed, and kept. A blob that does not hash to its digest is handed to
+`quarantine` (the host cache moves it aside, so the next pull fetches it again); a manifest
+that disagrees with its own blobs is refused (exit 6)."""
 
 from __future__ import annotations
 
