@@ -16,8 +16,10 @@ alternating rounds, all in the same run:
   included.
 
 `staging_for(device)` picks what `flare serve` runs on that device (marked "ships"). Each
-load ends when the device is idle. Prints seconds (median, min-max), GB/s and the ratio to
-`cat`; the goal on a GPU host is a shipped load within 2x of `cat`.
+load ends when the device is idle. Before any timing, every load's model must hold the mapped
+load's weights bit for bit (else the script stops, saying which tensor differs). Prints
+seconds (median, min-max), GB/s and the ratio to `cat`; the goal on a GPU host is a shipped
+load within 2x of `cat`.
 
     python tests/bench/gpu_load.py [--size-mb 2000] [--repeat 5] [--device cuda]
         [--chunk-mb 16 [4 64 ...]] [--workdir DIR] [--json]
@@ -38,6 +40,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tests' helpers
 
@@ -74,25 +77,48 @@ def mmap_copy(paths: list[Path], device: object) -> Callable[[], None]:
     return run
 
 
-def load(manifest: object, files: dict[str, Path], device: object, chunk: int) -> Callable:
+class Load:
     """The package's weights into one empty model on the device: mapped (`chunk` 0), or
-    staged in chunks of `chunk` bytes."""
+    staged in chunks of `chunk` bytes; the model stays, for the check of what was loaded."""
+
+    def __init__(self, manifest: object, files: dict[str, Path], device: object, chunk: int):
+        self.manifest, self.files, self.device, self.chunk = manifest, files, device, chunk
+        self.model = empty(manifest, files, device)
+
+    def __call__(self) -> None:
+        from flare.serve.models.files import PackageFiles
+        from flare.serve.models.staging import Staging
+
+        staging = Staging(self.device, self.chunk) if self.chunk else None  # type: ignore[arg-type]
+        package = PackageFiles(self.manifest, self.files)  # type: ignore[arg-type]
+        self.model.load_weights(package.tensors(0, staging))
+
+
+def empty(manifest: object, files: dict[str, Path], device: object) -> Any:
+    """An empty BF16 model of the package's shapes on the device."""
     import torch
 
     from flare.serve.models import empty_model
     from flare.serve.models.files import PackageFiles
-    from flare.serve.models.staging import Staging
 
     package = PackageFiles(manifest, files)  # type: ignore[arg-type]
     recipe = package.manifest.recipe
     config = package.require_json("config.json")
-    model = empty_model(recipe.name, recipe.version, config, device, torch.bfloat16)  # type: ignore[arg-type]
+    return empty_model(recipe.name, recipe.version, config, device, torch.bfloat16)  # type: ignore[arg-type]
 
-    def run() -> None:
-        staging = Staging(device, chunk) if chunk else None  # type: ignore[arg-type]
-        model.load_weights(PackageFiles(manifest, files).tensors(0, staging))  # type: ignore[arg-type]
 
-    return run
+def same_weights(loads: dict[str, Load]) -> None:
+    """Every load left the same weights, bit for bit, as the mapped one: a staged read that
+    put a chunk in the wrong place, or lost one, fails here before any figure is printed."""
+    import torch
+
+    want = dict(loads["mapped"].model.named_parameters())
+    for name, loaded in loads.items():
+        for parameter, value in loaded.model.named_parameters():
+            bits = value.detach().flatten().view(torch.uint8)  # random bytes hold NaNs
+            if not torch.equal(bits, want[parameter].detach().flatten().view(torch.uint8)):
+                raise SystemExit(f"{name} loaded {parameter} wrong: it differs from mapped")
+    log(f"the same weights, bit for bit, from {', '.join(loads)}")
 
 
 def timed(action: Callable[[], None], device: object) -> float:
@@ -120,20 +146,22 @@ def benchmark(
     weights = sum(p.size for p in manifest.payloads)  # type: ignore[attr-defined]
     payloads = sorted(files[str(p.digest)] for p in manifest.payloads)  # type: ignore[attr-defined]
     read_all(paths)
+    shipping = staging_for(device)
+    shipped = "mapped" if shipping is None else f"staged {shipping.chunk >> 20} MiB"
+    chunks = {f"staged {mb} MiB": mb << 20 for mb in chunks_mb}
+    chunks[shipped] = shipping.chunk if shipping is not None else 0
+    loads = {"mapped": Load(manifest, files, device, 0)}
+    loads.update({name: Load(manifest, files, device, chunk) for name, chunk in chunks.items()})
+    del shipping
     cases: dict[str, Callable[[], None]] = {
         "cat": cat(payloads),
         "mmap+copy": mmap_copy(payloads, device),
-        "mapped": load(manifest, files, device, 0),
+        **loads,
     }
-    for mb in chunks_mb:
-        cases[f"staged {mb} MiB"] = load(manifest, files, device, mb << 20)
-    shipping = staging_for(device)
-    shipped = "mapped" if shipping is None else f"staged {shipping.chunk >> 20} MiB"
-    if shipped not in cases:
-        cases[shipped] = load(manifest, files, device, shipping.chunk)  # type: ignore[union-attr]
     seconds: dict[str, list[float]] = {name: [] for name in cases}
     for action in cases.values():
         timed(action, device)  # once untimed: first-touch costs, allocator warm-up
+    same_weights(loads)
     for index in range(repeat):
         order = list(cases.items())
         for name, action in order if index % 2 == 0 else order[::-1]:
