@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from rich.filesize import decimal
 
 from flare.serve.compilations import Compilations
-from flare.serve.models.files import PackageFiles
+from flare.serve.models.files import PackageFiles, WeightsRead
 from flare.serve.tuning import Decisions
 from flare.store.digest import Digest
 
@@ -114,15 +114,18 @@ class StartReport:
         took = self.artifacts + self.warm_up
         return f"forward compiled at start in {took:.1f} s: {self.compilations.describe()}"
 
-    def timeline(self, pull: float, load: float, total: float, weight_bytes: int) -> str:
+    def timeline(self, pull: float, load: float, total: float, weights: WeightsRead | None) -> str:
         """Start-to-ready with its parts, for the ready line: `load` is the runtime's whole
-        load, of which the artifacts and warm-up are shown apart; the rest is the weights'
-        load, whose rate (`weight_bytes`, the package's payloads, over its time) says how
-        near the disk's or the network's speed it came."""
+        load, of which the artifacts, warm-up and graph capture are shown apart; `weights`,
+        the weights' own read (PackageFiles.tensors: the payloads' bytes over the time they
+        took, the copies into the model included), says how near the disk's speed the load
+        came."""
         graphs = self.graphs.seconds if self.graphs is not None else 0.0
-        weights = load - self.artifacts - self.warm_up - graphs
-        rate = f" at {decimal(int(weight_bytes / weights))}/s" if weights > 0 else ""
-        parts = f"pull {pull:.2f} s, load {weights:.2f} s ({decimal(weight_bytes)}{rate})"
+        rest = load - self.artifacts - self.warm_up - graphs
+        parts = f"pull {pull:.2f} s, load {rest:.2f} s"
+        if weights is not None and weights.seconds > 0:
+            rate = decimal(int(weights.size / weights.seconds))
+            parts += f" (weights {decimal(weights.size)} in {weights.seconds:.2f} s at {rate}/s)"
         if self.forward != "eager":
             parts += f", artifacts {self.artifacts:.2f} s, warm-up {self.warm_up:.2f} s"
         if self.graphs is not None:

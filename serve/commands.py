@@ -240,7 +240,6 @@ def _option(
 
 def _say_ready(plan: PullPlan, runtime: Runtime, times: dict[str, float]) -> Callable[[str], None]:
     """The ready line: where, start-to-ready and its parts, how the forward runs."""
-    from flare.serve.launch import payload_bytes
 
     def ready(url: str) -> None:
         now = time.perf_counter()
@@ -248,7 +247,7 @@ def _say_ready(plan: PullPlan, runtime: Runtime, times: dict[str, float]) -> Cal
             pull=times["pulled"] - times["start"],
             load=times["loaded"] - times["pulled"],
             total=now - times["start"],
-            weight_bytes=payload_bytes(plan.manifest),
+            weights=runtime.package.weights_read,
         )
         ranks = runtime.rank_stats()
         if ranks:

@@ -214,7 +214,7 @@ def server(host: Host) -> Iterator[Server]:
 def test_ready_says_the_forward_came_from_the_package(server: Server) -> None:
     assert "forward compiled, from the package" in server.ready
     assert "0 compiled (1 loaded), 0 kernels built" in server.ready
-    load = r"load [\d.]+ s \([\d.]+ \w+ at [\d.]+ \S+/s\)"
+    load = r"load [\d.]+ s \(weights [\d.]+ \w+ in [\d.]+ s at [\d.]+ \S+/s\)"
     parts = rf"ready in [\d.]+ s: pull [\d.]+ s, {load}, artifacts"
     assert re.search(parts, server.ready), server.ready
 

@@ -16,7 +16,7 @@ from torch import nn
 from flare.errors import FlareError, InvalidInputError
 from flare.model_sizes import LAYOUTS, check_sizes, manifest_shapes
 from flare.serve.models.bert import BertEmbedder, Pooling
-from flare.serve.models.files import PackageFiles
+from flare.serve.models.files import PackageFiles, staging_for
 from flare.serve.models.fused import check_layout
 from flare.serve.models.llama import LlamaForCausalLM
 from flare.serve.models.shard import Shard
@@ -90,7 +90,7 @@ def load_model(
     with torch.device("meta"):
         model = _create(create, files, shard)
     model = model.to_empty(device=device).to(dtype)
-    model.load_weights(files.tensors(shard.rank))
+    model.load_weights(files.tensors(shard.rank, staging_for(device)))
     return model.eval()
 
 

@@ -1,14 +1,16 @@
 """A package's files as the runtime reads them: artifacts by path, weights by tensor name.
 
 Nothing is trusted because it lies in the host cache: every blob is checked against the
-manifest as it is read. A payload is memory-mapped and its safetensors header compared with
-the manifest's entry before any tensor is made; the tensors are views of that same map, and
-the map is hashed (BLAKE3 on all threads) while they are copied into the model, so a load
-that returns serves exactly the bytes that were hashed and signed, at little more than the
-cost of reading them. Artifacts are small: each is read once, hashed, and kept. A blob that
-does not hash to its digest is handed to `quarantine` (the host cache moves it aside, so
-the next pull fetches it again); a manifest that disagrees with its own blobs is refused
-(exit 6)."""
+manifest as it is read. A payload's safetensors header is compared with the manifest's entry
+before any tensor is made from it. On the CPU the payload is memory-mapped, the tensors are
+views of that map, and the map is hashed (BLAKE3 on all threads) while they are copied into
+the model, so a load that returns serves exactly the bytes that were hashed and signed, at
+little more than the cost of reading them. On a GPU the payload is read in large chunks
+through pinned buffers into one device buffer, hashed as it passes (staging.py), and its
+tensors are views of that buffer, made only once its digest matched. Artifacts are small:
+each is read once, hashed, and kept. A blob that does not hash to its digest is handed to
+`quarantine` (the host cache moves it aside, so the next pull fetches it again); a manifest
+that disagrees with its own blobs is refused (exit 6)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ import json
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -26,8 +30,9 @@ import torch
 from torch import nn
 
 from flare.errors import IntegrityError, InvalidInputError, NotFoundError, from_os_error
+from flare.serve.models.staging import Staging
 from flare.store.digest import Digest
-from flare.store.hashing import hash_bytes
+from flare.store.hashing import hash_bytes, hash_open_file
 from flare.store.package import (
     MALFORMED_HINT,
     Manifest,
@@ -51,6 +56,22 @@ TORCH_DTYPES = {
 }  # fmt: skip
 
 
+@dataclass(frozen=True)
+class WeightsRead:
+    """What loading a rank's weights took: the payload bytes read, and the seconds from the
+    first read to the last tensor copied into the model (the ready line's load rate)."""
+
+    size: int
+    seconds: float
+
+
+def staging_for(device: torch.device) -> Staging | None:
+    """How weights reach `device`, the one way per kind of device: a CPU takes the tensors
+    straight from the payloads' memory maps (no copy before the model's own); a GPU reads
+    each payload through pinned staging buffers into one device buffer (staging.py)."""
+    return Staging(device) if device.type == "cuda" else None
+
+
 class PackageFiles:
     """`files` maps each blob's digest text to a local file; `quarantine`, where the files
     are a host cache's blobs, moves a corrupt one aside."""
@@ -66,6 +87,8 @@ class PackageFiles:
         self.quarantine = quarantine
         self._parts = manifest.parts()
         self._artifacts: dict[str, bytes] | None = None
+        self.weights_read: WeightsRead | None = None
+        """Set once `tensors` has read every weight of a rank."""
 
     def artifact(self, path: str) -> bytes | None:
         """An artifact's checked bytes, or None if the package has none at that path. The
@@ -109,34 +132,88 @@ class PackageFiles:
             f"artifact {path} of package {self.manifest.name} {problem}", MALFORMED_HINT
         )
 
-    def tensors(self, rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(
+        self, rank: int = 0, staging: Staging | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight rank `rank` reads, by its Hugging Face name (a split tensor's part
-        under the whole tensor's name), made from the very map that is hashed: the shared
-        payloads and the rank's own, never another rank's.
+        under the whole tensor's name), from the shared payloads and the rank's own, never
+        another rank's; `staging_for(device)` says how. A payload's header is checked against
+        the manifest before any of its tensors is made.
 
-        A payload's header is checked against the manifest before any of its tensors is made;
-        its hash runs on other threads meanwhile, while the caller copies the tensors into the
-        model, and must match before the next payload (or the end) is reached: a load that
-        returns has hashed every byte it copied."""
+        Without `staging` (a CPU), the tensors are views of the payload's memory map, and the
+        map is hashed on other threads while the caller copies them into the model: the hash
+        must match before the next payload (or the end) is reached, so a load that returns
+        has hashed every byte it copied. With `staging` (a GPU), the payload is read in large
+        chunks onto its device, hashed as it is read, and its tensors are views of that one
+        device buffer, made only once its digest matched. When the last weight is read,
+        `weights_read` says how many bytes that took and how long, the caller's copies in."""
+        started, read = time.perf_counter(), 0
         payloads = self.manifest.payloads
         for payload, part in zip(payloads, self._parts[: len(payloads)], strict=True):
             if rank not in payload.ranks:
                 continue
             where = f"{part.name} of package {self.manifest.name}"
             _check_parts(payload, rank, self.manifest.ranks, where)
-            mapped = _map(self._local(part))
-            view = memoryview(mapped if mapped is not None else b"")
-            hashed = _hash_in_background(view)
-            try:
-                check_size(part, len(view), where)
-                header = read_header(_reader(mapped), len(view), where)
-                check_payload(header, payload, where)
-            except FormatError:  # a damaged blob, rather than a lying manifest, if it hashes wrong
-                self._check_digest(hashed.result(), part)
-                raise
-            for entry in header.tensors.values():
-                yield entry.name, _tensor(view, header, entry)
+            if staging is None:
+                yield from self._mapped(payload, part, where)
+            else:
+                yield from self._staged(payload, part, where, staging)
+            read += part.size
+        if staging is not None:
+            staging.synchronize()
+        self.weights_read = WeightsRead(read, time.perf_counter() - started)
+
+    def _mapped(
+        self, payload: Payload, part: Part, where: str
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A payload's tensors as views of its memory map, hashed while the caller reads."""
+        mapped = _map(self._local(part))
+        view = memoryview(mapped if mapped is not None else b"")
+        hashed = _hash_in_background(view)
+        try:
+            check_size(part, len(view), where)
+            header = read_header(_reader(mapped), len(view), where)
+            check_payload(header, payload, where)
+        except FormatError:  # a damaged blob, rather than a lying manifest, if it hashes wrong
             self._check_digest(hashed.result(), part)
+            raise
+        for entry in header.tensors.values():
+            yield entry.name, _tensor(view, header, entry)
+        self._check_digest(hashed.result(), part)
+
+    def _staged(
+        self, payload: Payload, part: Part, where: str, staging: Staging
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A payload's tensors as views of one buffer on the staging's device, made once the
+        whole payload was read there and its digest matched the manifest's."""
+        local = self._local(part)
+        try:
+            with open(local, "rb") as handle:
+                header = self._checked_header(handle, payload, part, where)
+                data, digest = staging.read(handle.fileno(), part.size)
+        except OSError as exc:
+            raise from_os_error(exc, "read", local) from exc
+        except EOFError as exc:  # it shrank since its size was checked: not the blob hashed
+            raise IntegrityError(
+                f"{where} (blob {part.digest}) changed while it was read: {exc}",
+                "stop whatever writes to the host cache, then serve again",
+            ) from exc
+        self._check_digest(digest, part)
+        for entry in header.tensors.values():
+            yield entry.name, _device_tensor(data, header, entry)
+
+    def _checked_header(self, handle: BinaryIO, payload: Payload, part: Part, where: str) -> Header:
+        """The open payload's header, checked against the manifest; where it is refused, the
+        blob is hashed first, so that a damaged one is reported (and quarantined) as such."""
+        size = os.fstat(handle.fileno()).st_size
+        try:
+            check_size(part, size, where)
+            header = read_header(handle, size, where)
+            check_payload(header, payload, where)
+        except FormatError:
+            self._check_digest(Digest(hash_open_file(handle.fileno(), size, None, None)), part)
+            raise
+        return header
 
     def _read_artifacts(self) -> dict[str, bytes]:
         paths = [a.path for a in self.manifest.artifacts]
@@ -245,6 +322,16 @@ def _tensor(view: memoryview, header: Header, entry: TensorEntry) -> torch.Tenso
     return flat.view(entry.shape)
 
 
+def _device_tensor(data: torch.Tensor, header: Header, entry: TensorEntry) -> torch.Tensor:
+    """A tensor over its bytes in the payload's device buffer: a view, where its offset suits
+    its dtype (a flare-built payload puts every tensor so); a copy of its bytes otherwise."""
+    start = header.data_offset + entry.start
+    raw = data[start : start + entry.nbytes]
+    if start % entry.itemsize:
+        raw = raw.clone()
+    return raw.view(TORCH_DTYPES[entry.dtype]).view(entry.shape)
+
+
 def load_by_name(
     module: nn.Module,
     tensors: Iterable[tuple[str, torch.Tensor]],
@@ -256,18 +343,23 @@ def load_by_name(
     params = dict(module.named_parameters())
     missing = set(params)
     for name, tensor in tensors:
-        if ignore is not None and ignore(name):
-            continue
-        if name not in params:
-            raise InvalidInputError(f"the package holds tensor {name}, unknown to this model")
-        if params[name].shape != tensor.shape:
-            raise FormatError(
-                f"tensor {name} is {list(tensor.shape)} in the payload, the package's "
-                f"config.json makes it {list(params[name].shape)}",
-                MALFORMED_HINT,
-            )
-        with torch.no_grad():
-            params[name].copy_(tensor)
-        missing.discard(name)
+        if ignore is None or not ignore(name):
+            _copy_into(params, name, tensor)
+            missing.discard(name)
+        del tensor  # a staged payload's device buffer goes with its last tensor, not later
     if missing:
         raise InvalidInputError(f"the package lacks tensors: {', '.join(sorted(missing)[:3])}")
+
+
+def _copy_into(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+    """One payload tensor into its parameter, or the error that says why it cannot go."""
+    if name not in params:
+        raise InvalidInputError(f"the package holds tensor {name}, unknown to this model")
+    if params[name].shape != tensor.shape:
+        raise FormatError(
+            f"tensor {name} is {list(tensor.shape)} in the payload, the package's "
+            f"config.json makes it {list(params[name].shape)}",
+            MALFORMED_HINT,
+        )
+    with torch.no_grad():
+        params[name].copy_(tensor)

@@ -1,0 +1,237 @@
+"""Weights read through staging buffers (serve/models/staging.py), the GPU's way, driven on
+the CPU: large reads into a ring of host buffers, each chunk hashed and copied into one buffer
+per payload, its tensors made only once the payload's digest matched the manifest.
+
+Tiny chunks put chunk boundaries inside tensors and make the ring wrap many times; the
+package is a real build in a real host cache, whose blobs a test damages as a disk would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from flare.build.pipeline import Build, BuildRequest
+from flare.build.tiny import make_tiny_llama
+from flare.errors import IntegrityError
+from flare.registry.refs import read_manifest
+from flare.registry.registry import Registry
+from flare.serve import models
+from flare.serve.cache import HostCache
+from flare.serve.models.files import PackageFiles
+from flare.serve.models.staging import Staging
+from flare.store.digest import Digest
+from flare.store.hashing import hash_bytes
+from flare.store.package import Manifest, Payload
+from flare.store.safetensors import FormatError
+
+CPU = torch.device("cpu")
+
+
+class Quiet:
+    def phase_started(self, name: str, total: int) -> None:
+        pass
+
+    def advance(self, nbytes: int) -> None:
+        pass
+
+    def phase_finished(self, report: object) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Manifest, Path]:
+    """The tiny Llama in payloads of at most 64 kB (several of them), built into a registry
+    whose store serves as a host cache."""
+    root = tmp_path_factory.mktemp("staged")
+    source = make_tiny_llama(root / "checkpoint")
+    registry = Registry(str(root / "registry"), f"sqlite:///{root / 'index.db'}")
+    staging = root / "staging"
+    request = BuildRequest(
+        source=str(source), name="tiny", staging=staging, hub_cache=root, payload_bytes=64_000
+    )
+    digest = Build(request, registry, Quiet()).run().digest
+    manifest = read_manifest(registry.store, digest)
+    registry.db.dispose()
+    return manifest, root / "registry"
+
+
+@pytest.fixture
+def cache(built: tuple[Manifest, Path], tmp_path: Path) -> Iterator[tuple[HostCache, Manifest]]:
+    """A host cache of its own holding the package's blobs (a test may damage them)."""
+    manifest, store = built
+    shutil.copytree(store, tmp_path / "cache")
+    yield HostCache(tmp_path / "cache"), manifest
+
+
+def package_files(cache: HostCache, manifest: Manifest) -> PackageFiles:
+    return PackageFiles(manifest, cache.files(manifest), cache.quarantine_if_corrupt)
+
+
+def rot(path: Path, offset: int) -> None:
+    """Flip one bit of a read-only blob, as a failing disk would."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+
+
+def largest(manifest: Manifest) -> Payload:
+    return max(manifest.payloads, key=lambda p: p.size)
+
+
+@pytest.mark.parametrize(("chunk", "slots"), [(7, 2), (4096, 3), (1 << 30, 4)])
+def test_staged_tensors_are_the_mapped_ones(
+    cache: tuple[HostCache, Manifest], chunk: int, slots: int
+) -> None:
+    """Every tensor, read in chunks that cut tensors anywhere (7 bytes), cut them at page
+    sizes, or hold a whole payload, equals its view in the payload's memory map."""
+    host, manifest = cache
+    mapped = dict(package_files(host, manifest).tensors(0))
+    files = package_files(host, manifest)
+    staged = list(files.tensors(0, Staging(CPU, chunk, slots)))
+    assert [name for name, _ in staged] == list(mapped)
+    for name, tensor in staged:
+        want = mapped[name]
+        assert tensor.dtype == want.dtype and tensor.shape == want.shape, name
+        assert torch.equal(tensor, want), name
+    read = files.weights_read
+    assert read is not None and read.size == sum(p.size for p in manifest.payloads)
+    assert read.seconds > 0
+
+
+def test_a_payloads_tensors_are_views_of_one_buffer_freed_before_the_next_is_read(
+    cache: tuple[HostCache, Manifest],
+) -> None:
+    """The tensors of a payload share the one buffer its bytes were read into (no copy per
+    tensor), and once load_by_name has copied them into the model that buffer is gone before
+    the next payload's is made: the device holds the weights and one payload, never two."""
+    host, manifest = cache
+    assert len(manifest.payloads) >= 3
+    buffers: list[weakref.ref[torch.UntypedStorage]] = []
+    live_when_read: list[int] = []
+
+    def watched(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            buffer = tensor.untyped_storage()
+            if not buffers or buffers[-1]() is not buffer:
+                buffers.append(weakref.ref(buffer))
+                live_when_read.append(sum(ref() is not None for ref in buffers))
+            del buffer
+            yield name, tensor
+            del tensor
+
+    files = package_files(host, manifest)
+    model = empty_model(files, torch.float32)
+    model.load_weights(watched(files.tensors(0, Staging(CPU, 4096, 2))))
+    assert len(buffers) == len(manifest.payloads)
+    assert live_when_read == [1] * len(manifest.payloads)
+
+
+def test_a_staged_load_casts_into_the_model_as_the_mapped_one_does(
+    cache: tuple[HostCache, Manifest],
+) -> None:
+    """BF16 payloads into a float32 model: every parameter is what the mapped load gives."""
+    host, manifest = cache
+    mapped = empty_model(package_files(host, manifest), torch.float32)
+    mapped.load_weights(package_files(host, manifest).tensors(0))
+    staged = empty_model(package_files(host, manifest), torch.float32)
+    staged.load_weights(package_files(host, manifest).tensors(0, Staging(CPU, 1000, 3)))
+    want = dict(mapped.named_parameters())
+    for name, parameter in staged.named_parameters():
+        assert parameter.dtype == torch.float32
+        assert torch.equal(parameter, want[name]), name
+
+
+def empty_model(files: PackageFiles, dtype: torch.dtype) -> torch.nn.Module:
+    recipe = files.manifest.recipe
+    return models.empty_model(
+        recipe.name, recipe.version, files.require_json("config.json"), CPU, dtype
+    )
+
+
+@pytest.mark.parametrize("where", ["header", "quarter", "middle", "last"])
+def test_a_corrupt_byte_is_refused_before_any_tensor_of_its_payload_and_quarantined(
+    cache: tuple[HostCache, Manifest], where: str
+) -> None:
+    """One flipped bit in the payload's data (the header is intact, so it passes the header
+    check) stops the load before any tensor of that payload is handed out; the blob goes to
+    the host cache's quarantine, so the next pull fetches it again."""
+    host, manifest = cache
+    files = package_files(host, manifest)
+    payload = largest(manifest)
+    path = files.files[str(payload.digest)]
+    offsets = {"header": 20, "quarter": payload.size // 4, "middle": payload.size // 2}
+    rot(path, offsets.get(where, -1))
+    handed: list[str] = []
+    with pytest.raises(IntegrityError, match="is corrupt on this host") as refused:
+        for name, _ in files.tensors(0, Staging(CPU, 4096, 2)):
+            handed.append(name)
+    assert "moved it to" in refused.value.hint
+    assert not set(handed) & {t.name for t in payload.tensors}
+    earlier = manifest.payloads[: manifest.payloads.index(payload)]
+    assert handed == [t.name for p in earlier for t in p.tensors]  # those were sound
+    assert not path.exists()
+    assert list(host.root.joinpath("quarantine").rglob(Digest.parse(payload.digest).hex + "*"))
+    assert files.weights_read is None
+
+
+def test_a_manifest_that_lies_about_a_sound_payload_is_refused_and_nothing_is_moved(
+    cache: tuple[HostCache, Manifest],
+) -> None:
+    """A manifest listing a payload's tensors in another order than the blob holds them is
+    refused at the header check, before anything is read onto the device; the blob hashes
+    right, so it stays where it is (the package is malformed, not the host cache)."""
+    host, manifest = cache
+    payload = largest(manifest)
+    lying = payload.model_copy(update={"tensors": tuple(reversed(payload.tensors))})
+    payloads = [lying if p is payload else p for p in manifest.payloads]
+    files = package_files(host, manifest.model_copy(update={"payloads": payloads}))
+    with pytest.raises(FormatError, match="the manifest's order puts it at"):
+        list(files.tensors(0, Staging(CPU, 4096, 2)))
+    assert files.files[str(payload.digest)].exists()
+
+
+def test_a_truncated_blob_is_refused_and_quarantined(cache: tuple[HostCache, Manifest]) -> None:
+    """A blob cut short (a disk full while it was written outside flare, a bad copy) fails
+    the size check before anything is read onto the device, and is moved aside as corrupt."""
+    host, manifest = cache
+    files = package_files(host, manifest)
+    payload = largest(manifest)
+    path = files.files[str(payload.digest)]
+    path.chmod(0o644)
+    os.truncate(path, payload.size // 2)
+    with pytest.raises(IntegrityError, match="is corrupt on this host"):
+        list(files.tensors(0, Staging(CPU, 4096, 2)))
+    assert not path.exists()
+
+
+def test_staging_reads_any_length_in_chunks_and_hashes_it(tmp_path: Path) -> None:
+    """The core alone: bytes in, the same bytes on the device and their digest out, for an
+    empty file, a file of one partial chunk, and one that ends inside the ring's third lap."""
+    for size in (0, 5, 7 * 3 * 3 + 4):
+        data = os.urandom(size)
+        path = tmp_path / f"blob-{size}"
+        path.write_bytes(data)
+        with open(path, "rb") as handle:
+            tensor, digest = Staging(CPU, 7, 3).read(handle.fileno(), size)
+        assert tensor.dtype == torch.uint8 and bytes(tensor.numpy()) == data
+        assert digest == hash_bytes(data)
+
+
+def test_staging_refuses_a_file_shorter_than_its_size(tmp_path: Path) -> None:
+    """A file that ends before the size it was checked at (it shrank meanwhile) is not read
+    as if its missing bytes were there."""
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(20))
+    with open(path, "rb") as handle, pytest.raises(EOFError, match="ended at byte 20, 1 short"):
+        Staging(CPU, 7, 2).read(handle.fileno(), 21)
