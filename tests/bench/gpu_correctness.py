@@ -19,8 +19,9 @@ switch, eager alone before. Per path:
   bf16 runs fed float32's greedy tokens, counting where each one's greedy choice differs. Random
   weights have near ties, so pass: more than half the prompts equal, and flare differing from
   float32 at no more than 2x + 1 the positions transformers bf16 does.
-- batch64: 64 concurrent greedy requests (prompts of 8-71 tokens, 8-39 new tokens each, so the
-  batch shrinks through most sizes) against each request run alone. Pass: all equal.
+- batch64: 64 concurrent greedy requests (the package is built for a batch of 64; prompts of
+  8-71 tokens, 8-39 new tokens each, so the batch shrinks through most sizes) against each
+  request run alone. Pass: all equal.
 
 suite: tests/checkpoints.py's tiny Llama, Qwen2, Qwen3 and Mistral, built with --suite-target
 (default none: a compile per architecture costs minutes on the device, and the shape's package
@@ -328,7 +329,8 @@ def shape_checks(
     shape = SHAPES[name]
     folder = work / name
     make_checkpoint(folder, shape, args.device)
-    out: dict[str, Any] = {"build_phases": build(env, folder, name, args.target)}
+    concurrency = ("--max-concurrency", str(BATCH))  # the 64 requests decode in one batch
+    out: dict[str, Any] = {"build_phases": build(env, folder, name, args.target, *concurrency)}
     refs = References(folder, torch.bfloat16, args.device)
     prompt = random_ids(shape["vocab"], LOGITS_PROMPT, 1)
     logits_ref = prompt_logits(refs, prompt)

@@ -55,11 +55,12 @@ def use_home(work: Path) -> dict[str, str]:
     return env
 
 
-def build(env: dict[str, str], source: Path, name: str, target: str) -> dict[str, float]:
-    """`flare build SOURCE --name NAME --target TARGET`; returns its phases' seconds."""
-    built = json.loads(
-        flare(env, "build", str(source), "--name", name, "--target", target, "--json")
-    )
+def build(
+    env: dict[str, str], source: Path, name: str, target: str, *options: str
+) -> dict[str, float]:
+    """`flare build SOURCE --name NAME --target TARGET [OPTIONS]`; its phases' seconds."""
+    command = ("build", str(source), "--name", name, "--target", target, "--json", *options)
+    built = json.loads(flare(env, *command))
     return {p["name"]: round(p["seconds"], 2) for p in built["phases"]}
 
 
