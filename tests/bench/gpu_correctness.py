@@ -51,9 +51,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_package import require
 from gpu_serving import SHAPES, make_checkpoint
 from lockstep import Lockstep
-from runtime_package import GRAPHS_SWITCH, build, load, paths, require, use_home
+from runtime_package import GRAPHS_SWITCH, build, load, paths, use_home
 
 from flare.serve.engine.sequence import Sequence
 from flare.serve.runtime import GenerateRuntime, Runtime, SamplingParams

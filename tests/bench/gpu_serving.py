@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_package import flare, start_server
+from gpu_package import flare, require, start_server
 
 HBM_BYTES_PER_S = 4.8e12
 FIELDS = ("hidden", "layers", "heads", "kv_heads", "inter", "vocab")
@@ -345,6 +345,7 @@ def main() -> int:
     parser.add_argument("--skip-compiled", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    require("transformers")
     work = Path(tempfile.mkdtemp(prefix="flare-gpu-serving-"))
     reports = [measure(name, args, work) for name in args.shapes.split(",")]
     text = json.dumps(reports, indent=2)

@@ -11,32 +11,24 @@ before that, every runtime is eager and `paths()` names that one path.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from gpu_package import flare
 
-from flare.extras import install_hint
 from flare.serve.runtime import Runtime, load_runtime
 
 GRAPHS_SWITCH = "cuda_graphs" in inspect.signature(load_runtime).parameters
 """Whether this flare's `load_runtime` takes the graph/eager choice."""
 
 
-def require(*modules: str) -> None:
-    """Stop with the install hint when a reference the script compares against is missing."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        sys.exit(f"{', '.join(missing)} missing: {install_hint('test')} (the test extra has it)")
-
-
 def paths() -> list[tuple[str, dict[str, Any]]]:
-    """The decode paths to run, by name, each with its `load_runtime` keywords."""
+    """The decode paths to run, by name, each with its `load_runtime` keywords. "eager" is
+    decode without CUDA graphs: its forward is still the package's compiled one where the
+    package has one (the runtime's `start_report` says which)."""
     if GRAPHS_SWITCH:
         return [("cuda_graphs", {"cuda_graphs": True}), ("eager", {"cuda_graphs": False})]
     return [("eager", {})]
