@@ -41,7 +41,6 @@ import gc
 import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -54,7 +53,7 @@ import torch
 from gpu_package import require
 from gpu_serving import SHAPES, make_checkpoint
 from lockstep import Lockstep
-from runtime_package import GRAPHS_SWITCH, build, load, paths, use_home
+from runtime_package import GRAPHS_SWITCH, build, load, paths, scratch_home
 
 from flare.serve.engine.sequence import Sequence
 from flare.serve.runtime import GenerateRuntime, Runtime, SamplingParams
@@ -447,8 +446,6 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = False
     import transformers
 
-    work = Path(tempfile.mkdtemp(prefix="flare-gpu-correctness-"))
-    env = use_home(work)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -460,12 +457,14 @@ def main() -> int:
     }
     skip = set(filter(None, args.skip.split(",")))
     started = time.perf_counter()
-    if "shape" not in skip:
-        report["shape_checks"] = {
-            shape: guarded(shape_checks, args, shape, env, work) for shape in args.shapes.split(",")
-        }
-    if "suite" not in skip:
-        report["suite_checks"] = suite_checks(args, env, work)
+    with scratch_home("flare-gpu-correctness-") as (work, env):
+        if "shape" not in skip:
+            report["shape_checks"] = {
+                shape: guarded(shape_checks, args, shape, env, work)
+                for shape in args.shapes.split(",")
+            }
+        if "suite" not in skip:
+            report["suite_checks"] = suite_checks(args, env, work)
     report["seconds"] = round(time.perf_counter() - started, 1)
     found = verdicts(report)
     report["passed"] = sorted(k for k, ok in found.items() if ok)

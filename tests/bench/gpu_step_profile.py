@@ -29,14 +29,13 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from gpu_serving import SHAPES, make_checkpoint
-from runtime_package import GRAPHS_SWITCH, build, load, paths, use_home
+from runtime_package import GRAPHS_SWITCH, build, load, paths, scratch_home
 
 from flare.serve.runtime import GenerateRuntime, SamplingParams
 
@@ -183,9 +182,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.target = args.target or args.device
-    work = Path(tempfile.mkdtemp(prefix="flare-gpu-step-profile-"))
-    env = use_home(work)
-    reports = [measure(args, name, env, work) for name in args.shapes.split(",")]
+    with scratch_home("flare-gpu-step-profile-") as (work, env):
+        reports = [measure(args, name, env, work) for name in args.shapes.split(",")]
     summary = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "torch": torch.__version__,

@@ -14,6 +14,9 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +37,21 @@ def paths() -> list[tuple[str, dict[str, Any]]]:
     return [("eager", {})]
 
 
-def use_home(work: Path) -> dict[str, str]:
-    """Make `work` this process's flare home, with a signing key; returns the environment
-    for the CLI (the same as this process's, which the in-process pull reads)."""
+@contextmanager
+def scratch_home(prefix: str) -> Iterator[tuple[Path, dict[str, str]]]:
+    """A work folder that is this process's flare home, with a signing key, removed after (a
+    1B checkpoint and its package take GBs of the device's disk): the folder, and the
+    environment for the CLI (this process's, which the in-process pull reads)."""
     kept = {k: v for k, v in os.environ.items() if k == "FLARE_KERNEL_CACHE"}
     for key in [k for k in os.environ if k.startswith("FLARE_")]:
         del os.environ[key]
     os.environ.update(kept)
-    os.environ |= {"FLARE_HOME": str(work / "home"), "XDG_CONFIG_HOME": str(work / "xdg")}
-    env = dict(os.environ)
-    flare(env, "key", "generate", "--publisher", "lab")
-    return env
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        work = Path(folder)
+        os.environ |= {"FLARE_HOME": str(work / "home"), "XDG_CONFIG_HOME": str(work / "xdg")}
+        env = dict(os.environ)
+        flare(env, "key", "generate", "--publisher", "lab")
+        yield work, env
 
 
 def build(
