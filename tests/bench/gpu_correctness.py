@@ -17,8 +17,9 @@ switch, eager alone before. Per path:
 - greedy: 32 tokens on 8 prompts through the engine against transformers bf16 `generate`
   (the share equal), and the lockstep compare (lockstep.py) against float32 transformers: both
   bf16 runs fed float32's greedy tokens, counting where each one's greedy choice differs. Random
-  weights have near ties, so pass: more than half the prompts equal, and flare differing from
-  float32 at no more than 2x + 1 the positions transformers bf16 does.
+  weights have near ties, so two verdicts: free_running passes when more than half the prompts
+  are equal (the issue's "most"), lockstep_vs_fp32 when flare's choice differs from float32's
+  at no more than 2x + 1 the positions transformers bf16's does.
 - batch64: 64 concurrent greedy requests (the package is built for a batch of 64; prompts of
   8-71 tokens, 8-39 new tokens each, so the batch shrinks through most sizes) against each
   request run alone. Pass: all equal.
@@ -262,17 +263,19 @@ def lockstep(runtime: GenerateRuntime, refs: Continuations) -> Lockstep:
 
 
 def greedy_check(runtime: GenerateRuntime, refs: Continuations) -> dict[str, Any]:
+    """Two verdicts: the free-running continuations (the issue's goal: equal on most
+    prompts), and the lockstep compare, which tells rounding at near ties from a fault."""
     ours = [generate(runtime, ids, GREEDY_TOKENS) for ids in refs.prompts]
     shared = [shared_prefix(a, b) for a, b in zip(ours, refs.same, strict=True)]
     share = sum(s == GREEDY_TOKENS for s in shared) / len(shared)
     tally = lockstep(runtime, refs)
-    near = tally.differ["flare"] <= 2 * tally.differ["transformers"] + 1
     return {
-        "pass": share > 0.5 and near,
         "dtype": str(runtime.dtype).removeprefix("torch."),
-        "equal_share": share,
-        "shared_tokens": shared,
-        "lockstep_vs_fp32": tally.report(),
+        "free_running": {"pass": share > 0.5, "equal_share": share, "shared_tokens": shared},
+        "lockstep_vs_fp32": {
+            "pass": tally.differ["flare"] <= 2 * tally.differ["transformers"] + 1,
+            **tally.report(),
+        },
     }
 
 
@@ -396,7 +399,6 @@ def suite_arch(args: argparse.Namespace, env: dict[str, str], folder: Path, name
             out[path] = guarded(greedy_check, runtime, continuations)
         finally:
             runtime.stop()
-    out["pass"] = all(out[path]["pass"] for path, _ in paths())
     return out
 
 
@@ -423,9 +425,9 @@ def verdicts(tree: dict[str, Any], where: str = "") -> dict[str, bool]:
     """Every check's pass, by its path in the report."""
     found = {}
     for key, value in tree.items():
-        if isinstance(value, dict) and "pass" in value and not isinstance(value["pass"], dict):
-            found[f"{where}{key}"] = bool(value["pass"])
         if isinstance(value, dict):
+            if "pass" in value:
+                found[f"{where}{key}"] = bool(value["pass"])
             found |= verdicts(value, f"{where}{key}/")
     return found
 
