@@ -358,13 +358,15 @@ def path_checks(
     assert isinstance(runtime, GenerateRuntime)
     runtime.start()
     try:
-        return {
+        out = {
             "attention": runtime.attention,
             "start": runtime.start_report.describe(),
             "logits": guarded(logits_check, runtime, logits_ref),
             "greedy": guarded(greedy_check, runtime, continuations),
             "batch64": guarded(batch_check, runtime, runtime.vocab_size),
         }
+        out["compilations_after_ready"] = runtime.compilations_since_ready().total
+        return out
     finally:
         runtime.stop()
 

@@ -58,7 +58,7 @@ SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 
 
 def profile_path(runtime: GenerateRuntime, device: str) -> dict[str, Any]:
-    """Every width's figures on one runtime."""
+    """Every width's figures on one runtime, by width."""
     return {str(n): profile_width(runtime, n, device) for n in WIDTHS}
 
 
@@ -147,8 +147,8 @@ def table(reports: list[dict[str, Any]]) -> str:
         "|---|---|---|" + "---|" * len(columns),
     ]
     for report in reports:
-        for path in report["paths"]:
-            for width, figures in report[path].items():
+        for path, measured in report["paths"].items():
+            for width, figures in measured["widths"].items():
                 cells = [str(figures.get(c, "")) for c in columns]
                 lines.append(
                     f"| {report['shape']} | {path} | {width} | " + " | ".join(cells) + " |"
@@ -163,13 +163,16 @@ def measure(args: argparse.Namespace, name: str, env: dict[str, str], work: Path
     report: dict[str, Any] = {
         "shape": name,
         "build_phases": build(env, folder, name, args.target, *width),
-        "paths": [path for path, _ in paths()],
+        "paths": {},
     }
     for path, options in paths():
         runtime = load(name, args.device, kv_cache_tokens=KV_CACHE_TOKENS, **options)
         assert isinstance(runtime, GenerateRuntime)
-        report[f"{path}_start"] = runtime.start_report.describe()
-        report[path] = profile_path(runtime, args.device)
+        report["paths"][path] = {
+            "start": runtime.start_report.describe(),
+            "widths": profile_path(runtime, args.device),
+            "compilations_after_ready": runtime.compilations_since_ready().total,
+        }
         runtime.stop()
     return report
 
