@@ -22,6 +22,7 @@ import json
 import time
 
 import torch
+from lockstep import Lockstep
 
 from flare.build.tiny import llama_config
 from flare.serve.engine.attention_choice import make_attention
@@ -107,27 +108,13 @@ def lockstep(model: LlamaForCausalLM, prompts: list[list[int]], decode: int) -> 
         _engine("torch", torch.bfloat16, model, prompts, decode),
         _engine("flashinfer", torch.bfloat16, model, prompts, decode),
     ]
-    worst, differ = [0.0, 0.0], [0, 0]
+    tally = Lockstep(("torch", "flashinfer"))
     for step in range(decode):
         truth, *rounded = (runner.run(seqs, prefill=step == 0) for runner, _, seqs in sides)
-        for i, logits in enumerate(rounded):
-            worst[i] = max(worst[i], (logits - truth).abs().max().item())
-            differ[i] += int((logits.argmax(-1) != truth.argmax(-1)).sum())
-        forced = _greedy(truth)
+        forced = tally.add(truth, dict(zip(tally.names, rounded, strict=True)))
         for _, blocks, seqs in sides:
             _advance(seqs, forced, blocks)
-    positions = decode * len(prompts)
-    return {
-        "positions": positions,
-        **{
-            f"{name}_bf16_vs_fp32": {
-                "max_abs_logit_diff": round(worst[i], 4),
-                "greedy_differs": differ[i],
-                "greedy_differs_pct": round(100 * differ[i] / positions, 2),
-            }
-            for i, name in enumerate(("torch", "flashinfer"))
-        },
-    }
+    return tally.report(suffix="_bf16_vs_fp32")
 
 
 def main() -> None:

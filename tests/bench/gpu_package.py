@@ -70,6 +70,18 @@ def make_checkpoint(folder: Path, hidden: int, layers: int) -> Path:
     return folder
 
 
+def require(*modules: str) -> None:
+    """Raise, saying how to install them, when references a script compares against are not
+    installed (transformers, sentence-transformers: the test extra has them)."""
+    import importlib.util
+
+    from flare.extras import install_hint
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModuleNotFoundError(f"{', '.join(missing)} not installed: {install_hint('test')}")
+
+
 def flare(env: dict[str, str], *args: str) -> str:
     done = subprocess.run(
         [sys.executable, "-m", "flare", *args], env=env, capture_output=True, text=True

@@ -44,6 +44,9 @@ def prepare(folder: Path) -> None:
 
 
 def run(root: Path) -> int:
+    from gpu_package import require
+
+    require("transformers")
     import torch
 
     from flare.serve.engine.attention import TorchPagedAttention

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_package import flare, start_server
+from gpu_package import flare, require, start_server
 
 HBM_BYTES_PER_S = 4.8e12
 FIELDS = ("hidden", "layers", "heads", "kv_heads", "inter", "vocab")
@@ -352,6 +352,7 @@ def main() -> int:
     parser.add_argument("--kernel-cache", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    require("transformers")
     work = Path(tempfile.mkdtemp(prefix="flare-gpu-serving-"))
     reports = [measure(name, args, work) for name in args.shapes.split(",")]
     text = json.dumps(reports, indent=2)

@@ -1,0 +1,208 @@
+"""Where a decode step's time goes: host time against GPU time per engine step, and kernel
+launches, for N sequences decoding (N = 1, 16, 64), with and without CUDA graphs.
+
+    python tests/bench/gpu_step_profile.py [--shapes 1b] [--out DIR]
+    python tests/bench/gpu_step_profile.py --device cpu --shapes tiny   # the script's own check
+
+The shape's package (gpu_serving.py's checkpoint: random bf16 Llama weights, the real
+vocabulary) is built by `flare build --target TARGET --max-concurrency 64` (default target: the
+device) and loaded in this process as `flare serve` loads it (runtime_package.py), once per
+decode path: CUDA graphs and eager where this flare's `load_runtime` has the `cuda_graphs`
+switch, eager alone before. Its engine is not started: this thread steps it, as the engine's
+loop does. For each N, N greedy requests (32-token prompts, `ignore_eos`) are submitted and
+stepped through their prefill and WARMUP decode steps, then:
+
+- host time: the wall of each of STEPS `engine.step()` calls, nothing subtracted (the step
+  reads the sampled tokens, so it waits for the GPU where the GPU is the slower); median, p90;
+- on CUDA, PROFILED more steps under torch.profiler: the GPU's time per step (the kernels' and
+  copies' total), the GPU busy share (that over the host time), and per step the kernels run,
+  the launch calls the host made (kernel launches; graph launches apart), host-to-device copies
+  and stream or device synchronisations.
+
+On the CPU it reports host time only. Nothing asserts on time: it prints a table (stderr) and
+one JSON report (stdout, and under --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from gpu_serving import SHAPES, make_checkpoint
+from runtime_package import GRAPHS_SWITCH, build, load, paths, scratch_home
+
+from flare.serve.runtime import GenerateRuntime, SamplingParams
+
+WIDTHS = (1, 16, 64)
+PROMPT = 32
+WARMUP = 8
+STEPS = 32
+PROFILED = 8
+KV_CACHE_TOKENS = 16384
+LAUNCHES = {
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaLaunchCooperativeKernel",
+}
+GRAPH_LAUNCHES = {"cudaGraphLaunch", "cuGraphLaunch"}
+COPIES = {"cudaMemcpyAsync", "cudaMemcpy", "cuMemcpyHtoDAsync_v2", "cuMemcpyAsync"}
+SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"}
+
+
+def profile_path(runtime: GenerateRuntime, device: str) -> dict[str, Any]:
+    """Every width's figures on one runtime, by width."""
+    return {str(n): profile_width(runtime, n, device) for n in WIDTHS}
+
+
+def profile_width(runtime: GenerateRuntime, n: int, device: str) -> dict[str, Any]:
+    """N sequences decoding: host time per step, and (CUDA) the profiler's figures."""
+    engine = runtime.engine
+    budget = WARMUP + STEPS + PROFILED + 2
+    params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
+    generator = torch.Generator().manual_seed(n)
+    prompts = torch.randint(2, runtime.vocab_size, (n, PROMPT), generator=generator).tolist()
+    handles = [runtime.submit(prompt, params) for prompt in prompts]
+    for _ in range(1 + WARMUP):  # the prefill, then decode steps
+        engine.step()
+    scheduler = engine.scheduler
+    if scheduler.waiting or len(scheduler.running) != n:
+        raise RuntimeError(f"{len(scheduler.running)} of {n} sequences decode together")
+    walls = []
+    generated = engine.counters.generated_tokens
+    for _ in range(STEPS):
+        started = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - started)
+    if engine.counters.generated_tokens - generated != n * STEPS:
+        raise RuntimeError("a timed step was not a decode of every sequence")
+    host = statistics.median(walls)
+    out: dict[str, Any] = {
+        "host_ms_per_step": round(1000 * host, 3),
+        "host_ms_p90": round(1000 * sorted(walls)[int(0.9 * len(walls))], 3),
+        "tokens_per_s": round(n / host, 1),
+    }
+    if device == "cuda":
+        out |= kernel_figures(engine.step, host)
+    for handle in handles:
+        handle.cancel()
+    engine.step()  # takes the cancellations: every sequence's blocks are free again
+    return out
+
+
+def kernel_figures(step: Any, host: float) -> dict[str, Any]:
+    """PROFILED steps under torch.profiler: GPU time, kernels and host calls, per step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED):
+            step()
+        torch.cuda.synchronize()
+    gpu_us = kernels = 0
+    calls = {"launches": 0, "graph_launches": 0, "copies": 0, "syncs": 0}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            gpu_us += event.time_range.elapsed_us()
+            kernels += not event.name.startswith(("Memcpy", "Memset"))
+            continue
+        for kind, names in (
+            ("launches", LAUNCHES),
+            ("graph_launches", GRAPH_LAUNCHES),
+            ("copies", COPIES),
+            ("syncs", SYNCS),
+        ):
+            calls[kind] += event.name in names
+    gpu_ms = gpu_us / 1000 / PROFILED
+    return {
+        "gpu_ms_per_step": round(gpu_ms, 3),
+        "gpu_busy_share": round(gpu_ms / (1000 * host), 3),
+        "kernels_per_step": round(kernels / PROFILED, 1),
+        **{f"{kind}_per_step": round(count / PROFILED, 1) for kind, count in calls.items()},
+    }
+
+
+def table(reports: list[dict[str, Any]]) -> str:
+    """The figures as a Markdown table, one row per shape, path and width."""
+    columns = (
+        "host_ms_per_step",
+        "gpu_ms_per_step",
+        "gpu_busy_share",
+        "launches_per_step",
+        "graph_launches_per_step",
+        "kernels_per_step",
+        "copies_per_step",
+        "syncs_per_step",
+        "tokens_per_s",
+    )
+    lines = [
+        "| shape | path | N | " + " | ".join(columns) + " |",
+        "|---|---|---|" + "---|" * len(columns),
+    ]
+    for report in reports:
+        for path, measured in report["paths"].items():
+            for width, figures in measured["widths"].items():
+                cells = [str(figures.get(c, "")) for c in columns]
+                lines.append(
+                    f"| {report['shape']} | {path} | {width} | " + " | ".join(cells) + " |"
+                )
+    return "\n".join(lines)
+
+
+def measure(args: argparse.Namespace, name: str, env: dict[str, str], work: Path) -> dict:
+    folder = work / name
+    make_checkpoint(folder, SHAPES[name], args.device)
+    width = ("--max-concurrency", str(max(WIDTHS)))
+    report: dict[str, Any] = {
+        "shape": name,
+        "build_phases": build(env, folder, name, args.target, *width),
+        "paths": {},
+    }
+    for path, options in paths():
+        runtime = load(name, args.device, kv_cache_tokens=KV_CACHE_TOKENS, **options)
+        assert isinstance(runtime, GenerateRuntime)
+        report["paths"][path] = {
+            "start": runtime.start_report.describe(),
+            "widths": profile_path(runtime, args.device),
+            "compilations_after_ready": runtime.compilations_since_ready().total,
+        }
+        runtime.stop()
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--shapes", default="1b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--target", default=None, help="the build target (default: the device)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    args.target = args.target or args.device
+    with scratch_home("flare-gpu-step-profile-") as (work, env):
+        reports = [measure(args, name, env, work) for name in args.shapes.split(",")]
+    summary = {
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cuda_graphs_switch": GRAPHS_SWITCH,
+        "target": args.target,
+        "shapes": reports,
+    }
+    text, rows = json.dumps(summary, indent=2), table(reports)
+    print(rows, file=sys.stderr)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_step_profile.json").write_text(text)
+        (args.out / "gpu_step_profile.md").write_text(rows + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

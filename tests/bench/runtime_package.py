@@ -1,0 +1,80 @@
+"""A package built by the CLI and loaded in this process as `flare serve` loads it, for the
+in-process GPU scripts (gpu_correctness.py, gpu_step_profile.py), which need the runtime's
+engine and runner at hand rather than its HTTP API.
+
+The scripts run in a flare home of their own (FLARE_HOME under their work folder; a
+FLARE_KERNEL_CACHE set outside is kept, so several scripts in one device call share what tune
+and compile made for the same shapes). The CUDA-graph/eager choice is one keyword of
+`load_runtime`, passed only where this flare has it (`cuda_graphs`, with CUDA-graph decode);
+before that, every runtime is eager and `paths()` names that one path.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from gpu_package import flare
+
+from flare.serve.runtime import Runtime, load_runtime
+
+GRAPHS_SWITCH = "cuda_graphs" in inspect.signature(load_runtime).parameters
+"""Whether this flare's `load_runtime` takes the graph/eager choice."""
+
+
+def paths() -> list[tuple[str, dict[str, Any]]]:
+    """The decode paths to run, by name, each with its `load_runtime` keywords. "eager" is
+    decode without CUDA graphs: its forward is still the package's compiled one where the
+    package has one (the runtime's `start_report` says which)."""
+    if GRAPHS_SWITCH:
+        return [("cuda_graphs", {"cuda_graphs": True}), ("eager", {"cuda_graphs": False})]
+    return [("eager", {})]
+
+
+@contextmanager
+def scratch_home(prefix: str) -> Iterator[tuple[Path, dict[str, str]]]:
+    """A work folder that is this process's flare home, with a signing key, removed after (a
+    1B checkpoint and its package take GBs of the device's disk): the folder, and the
+    environment for the CLI (this process's, which the in-process pull reads)."""
+    kept = {k: v for k, v in os.environ.items() if k == "FLARE_KERNEL_CACHE"}
+    for key in [k for k in os.environ if k.startswith("FLARE_")]:
+        del os.environ[key]
+    os.environ.update(kept)
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        work = Path(folder)
+        os.environ |= {"FLARE_HOME": str(work / "home"), "XDG_CONFIG_HOME": str(work / "xdg")}
+        env = dict(os.environ)
+        flare(env, "key", "generate", "--publisher", "lab")
+        yield work, env
+
+
+def build(
+    env: dict[str, str], source: Path, name: str, target: str, *options: str
+) -> dict[str, float]:
+    """`flare build SOURCE --name NAME --target TARGET [OPTIONS]`; its phases' seconds."""
+    command = ("build", str(source), "--name", name, "--target", target, "--json", *options)
+    built = json.loads(flare(env, *command))
+    return {p["name"]: round(p["seconds"], 2) for p in built["phases"]}
+
+
+def load(name: str, device: str, **options: Any) -> Runtime:
+    """Pull `name` into the host cache and load it as `flare serve` does (serve/launch.py's
+    load_package_app), with `options` for load_runtime on top."""
+    from flare.config import load_config
+    from flare.serve.launch import pull_into_cache
+
+    _, cache, report = pull_into_cache(name, None, device, None, None)
+    plan = report.plan
+    options = {
+        "memory_reserve": load_config()["memory.reserve"],
+        "quarantine": cache.quarantine_if_corrupt,
+        "compile_root": cache.root / "compiled",
+        **options,
+    }
+    return load_runtime(plan.manifest, cache.files(plan.manifest), plan.device, **options)
