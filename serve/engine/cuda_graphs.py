@@ -70,7 +70,13 @@ class DecodeGraphs:
         self.block_size = attention.block_size
         self.pad_block = pad_block
         self.sizes = decode_batch_sizes(max_batch)
-        top, device = self.sizes[-1], attention.cache.k.device
+        with torch.inference_mode():  # made as the forward's own inputs are: no guard differs
+            self._allocate(max_pages)
+        self._graphs: dict[int, _Graph] = {}
+
+    def _allocate(self, max_pages: int) -> None:
+        """The static buffers every graph reads, on the device, and their pinned host twins."""
+        top, device = self.sizes[-1], self.attention.cache.k.device
         self._inputs = [torch.zeros(top, dtype=torch.int64, device=device) for _ in range(3)]
         """Token ids, positions, KV slots: three tensors of their own, as the forward was traced
         with (a view at an offset would fail a compiled forward's guards, and compile again)."""
@@ -82,7 +88,6 @@ class DecodeGraphs:
         self._indices_host = torch.zeros(max_pages, dtype=torch.int32, pin_memory=True)
         self._table_host = torch.zeros((2, top + 1), dtype=torch.int32, pin_memory=True)
         """FlashInfer's indptr (top + 1) and last page lengths (top), on the host."""
-        self._graphs: dict[int, _Graph] = {}
 
     @property
     def max_batch(self) -> int:
@@ -133,6 +138,7 @@ class DecodeGraphs:
             tables=[[self.pad_block]] * rows,
         )
 
+    @torch.inference_mode()
     def run(self, step: StepInput) -> torch.Tensor:
         """The step's float32 logits [sequences, vocab], from the smallest graph that holds
         it. The tensor is the graph's output: read it before the next step."""
