@@ -47,11 +47,12 @@ class FusedRows:
         for name, tensor in tensors:
             if name in self.places:
                 yield from self._fill(name, tensor)
-                continue
-            if name in self.parts:
-                self.whole.add(name)
-                self._refuse_both(name)
-            yield name, tensor
+            else:
+                if name in self.parts:
+                    self.whole.add(name)
+                    self._refuse_both(name)
+                yield name, tensor
+            del tensor  # held here, a GPU load's payload buffer would outlive its copy
         partial = [n for fused, done in self.filled.items() if done for n in self._lacking(fused)]
         if partial:
             raise InvalidInputError(f"the package lacks tensors: {', '.join(partial[:3])}")
