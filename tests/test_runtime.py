@@ -305,6 +305,34 @@ def test_the_memory_plan_gives_the_kv_cache_the_runtime_allocated(
         assert "KV cache 96 tokens" in plan.describe()
 
 
+def test_the_next_step_is_launched_before_the_landed_tokens_are_streamed(
+    llama: GenerateRuntime,
+) -> None:
+    """The host loop keeps one step ahead: a step's tokens are read, the next step is
+    launched, and only then are the tokens detokenized and streamed (on a GPU, while the next
+    step runs). At each launch, the request has been sent every token but the newest."""
+    package = llama.package
+    runtime = load_runtime(package.manifest, package.files)  # stepped here, not on its thread
+    assert isinstance(runtime, GenerateRuntime)
+    engine, delivered, at_launch = runtime.engine, [], []
+    run = engine.runner.run
+
+    def launch(seqs: list[Sequence], prefill: bool) -> torch.Tensor:
+        at_launch.append(len(delivered))
+        return run(seqs, prefill)
+
+    engine.runner.run = launch  # type: ignore[method-assign]
+    handle = runtime.submit(varied_prompts(llama, 1)[0], greedy(4))
+    push = handle.push
+    handle.push = lambda delta: (delivered.append(delta), push(delta))  # type: ignore[method-assign]
+    while len(delivered) < 4:
+        engine.step()
+    assert at_launch == [0, 0, 1, 2]
+    assert [len(d.token_ids) for d in delivered] == [1, 1, 1, 1]
+    assert delivered[-1].finish_reason == "length"
+    assert runtime.kv_stats()["blocks_used"] == 0
+
+
 def test_seeded_sampling_reproduces(llama: GenerateRuntime) -> None:
     prompt = varied_prompts(llama, 1)[0]
 

@@ -44,6 +44,16 @@ class _Request:
 
 
 @dataclass
+class _Flight:
+    """A step launched and not yet landed: its batch, its logits (on a GPU, still being
+    computed), when it was launched."""
+
+    batch: ScheduledBatch
+    logits: torch.Tensor
+    started: float
+
+
+@dataclass
 class Counters:
     """Totals since start, for /metrics."""
 
@@ -75,6 +85,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._accepting = True
         self._draining = False
+        self._flight: _Flight | None = None
 
     # -- other threads --------------------------------------------------------------------
 
@@ -111,6 +122,9 @@ class Engine:
         for request in list(self._requests.values()):
             request.handle.push(error)
 
+    def _busy(self) -> bool:
+        return self.scheduler.has_work() or self._flight is not None
+
     def _post(self, action: Callable[[], None]) -> None:
         self._inbox.put(action)
         self._wake.set()
@@ -118,59 +132,117 @@ class Engine:
     # -- the engine thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
-        while not (self._draining and not self.scheduler.has_work()):
+        while not (self._draining and not self._busy()):
             self._wake.wait()
             try:
                 self.step()
             except Exception as exc:  # a fault of the engine's own: nothing in flight is sure
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(exc)
-            if not self.scheduler.has_work() and self._inbox.empty():
+            if not self._busy() and self._inbox.empty():
                 self._wake.clear()
                 if not self._inbox.empty():  # posted between the check and the clear
                     self._wake.set()
 
     def step(self) -> None:
-        """One scheduling round: take the inbox, run one batch, emit its tokens."""
+        """One scheduling round, one step ahead: take the inbox; land the step in flight (read
+        its tokens, the one wait for the device, and append them); launch the next step; then
+        detokenize and stream the landed tokens while the device runs it.
+
+        The next step is scheduled before the landed tokens' text is checked for stop
+        strings, so a request a stop string ends has had one more step launched; that step's
+        token for it is dropped (the request has left the engine). End of sequence and
+        max_tokens, known from the token alone, end a request before the next step."""
         while not self._inbox.empty():
             self._inbox.get()()
+        landed = self._land()
+        self._flight = self._launch()
+        for request, token, logprob in landed:
+            self._deliver(request, token, logprob)
+
+    def _launch(self) -> _Flight | None:
+        """Schedule and start the next step's forward (on a GPU it runs on while the host
+        goes on); a forward that fails at once fails its batch alone."""
         batch = self.scheduler.schedule()
         if batch is None:
-            return
+            return None
         started = time.perf_counter()
         try:
             logits = self.runner.run(batch.seqs, batch.prefill)
-            tops = self.sampler.scan(logits)
-        except FlareError as exc:  # said in one line (a lost tensor-parallel rank)
-            log.error("the forward of %d sequences failed: %s", len(batch.seqs), exc)
-            self._fail_batch(batch, exc)
-            return
         except Exception as exc:
-            log.exception("the forward of %d sequences failed", len(batch.seqs))
-            self._fail_batch(batch, exc)
-            return
-        for row, seq in enumerate(batch.seqs):
-            self._next_token(self._requests[seq.id], logits[row], tops[row])
-        self._count(batch, time.perf_counter() - started)
+            self._forward_failed(batch, exc)
+            return None
+        return _Flight(batch, logits, started)
 
-    def _next_token(self, request: _Request, logits: torch.Tensor, top: int | None) -> None:
-        """Sample, detokenize and emit one request's token; whatever fails here fails this
-        request alone, and the step goes on with the others."""
+    def _land(self) -> list[tuple[_Request, int, TokenLogprob | None]]:
+        """The step in flight's tokens, appended to their sequences: those that end them are
+        emitted now (so their blocks are free for the next step), the others returned to be
+        delivered once the next step is launched. Rows of requests that left the engine
+        while the step ran (cancelled, stopped, failed) are dropped."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return []
+        batch = flight.batch
         try:
-            token, logprob = self.sampler.pick(logits, request.seq, top)
+            picks = self._sample(flight)
+        except Exception as exc:  # the forward's own failure surfaces at the first read
+            self._forward_failed(batch, exc)
+            return []
+        landed = []
+        for seq, picked in zip(batch.seqs, picks, strict=True):
+            request = self._requests.get(seq.id)
+            if request is None:
+                continue
+            if isinstance(picked, Exception):
+                self._fail(request, picked)
+                continue
+            token, logprob = picked
+            seq.append(token)
+            self.counters.generated_tokens += 1
+            if self._ends(seq, token):
+                self._deliver(request, token, logprob)
+            else:
+                landed.append((request, token, logprob))
+        self.counters.steps += 1
+        self.counters.busy_seconds += time.perf_counter() - flight.started
+        return landed
+
+    def _sample(self, flight: _Flight) -> list[tuple[int, TokenLogprob | None] | Exception]:
+        """Each row's token and logprobs, or the error that row alone fails with."""
+        tops = self.sampler.scan(flight.logits)
+        picks: list[tuple[int, TokenLogprob | None] | Exception] = []
+        for row, seq in enumerate(flight.batch.seqs):
+            try:
+                picks.append(self.sampler.pick(flight.logits[row], seq, tops[row]))
+            except Exception as exc:
+                picks.append(exc)
+        return picks
+
+    def _forward_failed(self, batch: ScheduledBatch, exc: Exception) -> None:
+        if isinstance(exc, FlareError):  # said in one line (a lost tensor-parallel rank)
+            log.error("the forward of %d sequences failed: %s", len(batch.seqs), exc)
+        else:
+            log.exception("the forward of %d sequences failed", len(batch.seqs), exc_info=exc)
+        self._fail_batch(batch, exc)
+
+    def _ends(self, seq: Sequence, token: int) -> bool:
+        """Whether the token alone ends its sequence: end of sequence, or max_tokens."""
+        eos = token in self.eos_token_ids and not seq.params.ignore_eos
+        return eos or seq.num_output_tokens >= seq.max_tokens
+
+    def _deliver(self, request: _Request, token: int, logprob: TokenLogprob | None) -> None:
+        """Detokenize and emit a landed token, unless its request left the engine meanwhile
+        (a failed launch); whatever fails here fails this request alone."""
+        if request.seq.id not in self._requests:
+            return
+        try:
             self._advance(request, token, logprob)
         except Exception as exc:
             self._fail(request, exc)
 
-    def _count(self, batch: ScheduledBatch, seconds: float) -> None:
-        self.counters.steps += 1
-        self.counters.busy_seconds += seconds
-        self.counters.generated_tokens += len(batch.seqs)
-
     def _advance(self, request: _Request, token: int, logprob: TokenLogprob | None) -> None:
-        """Append the sampled token, decide whether the request is done, emit a delta."""
+        """Decide whether the request is done with its appended token, emit a delta."""
         seq = request.seq
-        seq.append(token)
         eos = token in self.eos_token_ids and not seq.params.ignore_eos
         text, stopped = ("", False) if eos else request.text.push(token)
         reason = None
@@ -223,11 +295,14 @@ class Engine:
         lack their KV; the other requests' KV was written by earlier steps and stays."""
         for seq in batch.seqs:
             self.scheduler.blocks.forget(seq)
-            self._fail(self._requests[seq.id], error)
+            request = self._requests.get(seq.id)
+            if request is not None:  # not one that left the engine while the step ran
+                self._fail(request, error)
 
     def _fail_all(self, error: Exception) -> None:
         """After an error of the engine itself (not of a request or a forward): end every
         request and trust no cached block, so the engine starts clean for later requests."""
+        self._flight = None
         self.scheduler.blocks.forget_cached()
         for request in list(self._requests.values()):
             self._fail(request, error)
