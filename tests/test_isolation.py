@@ -32,8 +32,8 @@ from test_runtime import Package, build_package
 from flare.serve.api import ServedPackage, create_app
 from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.runner import ModelRunner
-from flare.serve.engine.sampler import Sampler
-from flare.serve.engine.sequence import Sequence, TokenLogprob
+from flare.serve.engine.sampler import Picked, Sampler
+from flare.serve.engine.sequence import Sequence
 from flare.serve.runtime import (
     GenerateRuntime,
     RequestFailed,
@@ -59,24 +59,19 @@ FAIL_FORWARD_SEED = 14
 
 
 class FaultySampler(Sampler):
-    """The real sampler, raising for the marked request once it is decoding beside others;
-    it notes how many sequences that step held."""
+    """The real sampler, failing the marked request's row once it is decoding beside others
+    (as a row the model broke fails); it notes how many sequences that step held."""
 
     def __init__(self) -> None:
-        self.rows = 0
         self.rows_at_fault: list[int] = []
 
-    def scan(self, logits: torch.Tensor) -> list[int | None]:
-        self.rows = len(logits)
-        return super().scan(logits)
-
-    def pick(
-        self, logits: torch.Tensor, seq: Sequence, top: int | None
-    ) -> tuple[int, TokenLogprob | None]:
-        if seq.params.seed == FAIL_SAMPLING_SEED and seq.num_output_tokens == 2:
-            self.rows_at_fault.append(self.rows)
-            raise RuntimeError("injected sampling fault")
-        return super().pick(logits, seq, top)
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Picked | Exception]:
+        results = super().sample(logits, seqs)
+        for row, seq in enumerate(seqs):
+            if seq.params.seed == FAIL_SAMPLING_SEED and seq.num_output_tokens == 2:
+                self.rows_at_fault.append(len(seqs))
+                results[row] = RuntimeError("injected sampling fault")
+        return results
 
 
 class FaultyRunner(ModelRunner):

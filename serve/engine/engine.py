@@ -4,9 +4,10 @@ Other threads talk to the engine only through its inbox (submissions and cancell
 the request handles it fills; everything else is touched by the engine thread alone.
 
 One request can never fail another. An error in what is done for one sequence (sampling,
-detokenizing, stop strings, delivery) ends that sequence alone; a failed forward ends the
-sequences of its batch alone; either way the failed requests' handles raise RequestFailed,
-their KV blocks are freed, and the engine goes on with every other request.
+detokenizing, stop strings, delivery; a row of logits that cannot be sampled) ends that
+sequence alone; a failed forward, or a failed sampling pass over the whole batch (a device
+error), ends the sequences of its batch alone; either way the failed requests' handles raise
+RequestFailed, their KV blocks are freed, and the engine goes on with every other request.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from tokenizers import Tokenizer
 
 from flare.errors import FlareError
 from flare.serve.engine.output import Delta, RequestHandle, TextStream
 from flare.serve.engine.runner import ModelRunner
-from flare.serve.engine.sampler import Sampler
+from flare.serve.engine.sampler import Picked, Sampler
 from flare.serve.engine.scheduler import ScheduledBatch, Scheduler
 from flare.serve.engine.sequence import SamplingParams, Sequence, TokenLogprob
 
@@ -140,25 +140,28 @@ class Engine:
         started = time.perf_counter()
         try:
             logits = self.runner.run(batch.seqs, batch.prefill)
-            tops = self.sampler.scan(logits)
+            picks = self.sampler.sample(logits, batch.seqs)
         except FlareError as exc:  # said in one line (a lost tensor-parallel rank)
             log.error("the forward of %d sequences failed: %s", len(batch.seqs), exc)
             self._fail_batch(batch, exc)
             return
         except Exception as exc:
-            log.exception("the forward of %d sequences failed", len(batch.seqs))
+            log.exception("the forward or sampling of %d sequences failed", len(batch.seqs))
             self._fail_batch(batch, exc)
             return
-        for row, seq in enumerate(batch.seqs):
-            self._next_token(self._requests[seq.id], logits[row], tops[row])
+        for seq, picked in zip(batch.seqs, picks, strict=True):
+            self._next_token(self._requests[seq.id], picked)
         self._count(batch, time.perf_counter() - started)
 
-    def _next_token(self, request: _Request, logits: torch.Tensor, top: int | None) -> None:
-        """Sample, detokenize and emit one request's token; whatever fails here fails this
-        request alone, and the step goes on with the others."""
+    def _next_token(self, request: _Request, picked: Picked | Exception) -> None:
+        """Detokenize and emit one request's token, or fail it where its row could not be
+        sampled; whatever fails here fails this request alone, and the step goes on with the
+        others."""
+        if isinstance(picked, Exception):
+            self._fail(request, picked)
+            return
         try:
-            token, logprob = self.sampler.pick(logits, request.seq, top)
-            self._advance(request, token, logprob)
+            self._advance(request, *picked)
         except Exception as exc:
             self._fail(request, exc)
 
