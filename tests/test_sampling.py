@@ -236,20 +236,23 @@ def near_the_nucleus_edge(row: torch.Tensor, params: SamplingParams) -> bool:
     rows=st.lists(
         st.tuples(row_settings(), st.integers(0, VOCAB - 1), st.booleans()), min_size=1, max_size=6
     ),
+    nucleus=st.booleans(),
 )
 def test_a_batch_of_rows_is_cut_as_each_rows_float64_distribution(
-    seed: int, rows: list[tuple[dict[str, float | int], int, bool]]
+    seed: int, rows: list[tuple[dict[str, float | int], int, bool]], nucleus: bool
 ) -> None:
     """One float32 pass over rows of different settings gives each row its own float64
     distribution within 1e-5 (away from the nucleus's edge, where float32 may round a token
-    in or out); rows rounded to whole numbers have ties at the k-th, which are kept."""
+    in or out); rows rounded to whole numbers have ties at the k-th, which are kept. Half
+    the batches make no top-p cut, which the batch then makes without sorting."""
     logits = torch.stack([logits_row(seed + i, masked=m) for i, (_, m, _) in enumerate(rows)])
     for row, (_, _, whole) in zip(logits, rows, strict=True):
         if whole:
             row.round_()
-    params = [SamplingParams(**s) for s, _, _ in rows]  # type: ignore[arg-type]
+    params = [SamplingParams(**{**s, **({} if nucleus else {"top_p": 1.0})}) for s, _, _ in rows]  # type: ignore[arg-type]
     assume(not any(near_the_nucleus_edge(r, p) for r, p in zip(logits, params, strict=True)))
-    probs = torch.softmax(cut_logits(logits, Settings.of(params, logits.device)), dim=-1)
+    settings = Settings.of(params, VOCAB, logits.device)
+    probs = torch.softmax(cut_logits(logits, settings), dim=-1)
     for row, p, got in zip(logits, params, probs, strict=True):
         expected = distribution(row, p)
         assert torch.allclose(got.double(), expected, atol=1e-5), (p, got, expected)
@@ -274,7 +277,7 @@ def test_unseeded_draws_follow_the_distribution(params: SamplingParams) -> None:
     torch.manual_seed(1234)
     row = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, float("-inf")])
     n = 20_000
-    tokens = draw(row.expand(n, -1), Settings.of([params] * n, row.device))
+    tokens = draw(row.expand(n, -1), Settings.of([params] * n, len(row), row.device))
     counts = torch.bincount(tokens, minlength=len(row)).double()
     expected = distribution(row, params) * n
     assert (counts[expected == 0] == 0).all(), (counts, expected)

@@ -49,7 +49,8 @@ class Sampler:
         broken = (logits.isnan() | logits.isposinf()).any(dim=-1) | logits.isneginf().all(dim=-1)
         if groups.free:
             free = _upload(groups.free, torch.long, logits.device)
-            settings = Settings.of([seqs[row].params for row in groups.free], logits.device)
+            asks = [seqs[row].params for row in groups.free]
+            settings = Settings.of(asks, logits.shape[-1], logits.device)
             tokens[free] = draw(logits[free], settings)
         if groups.seeded:
             seeded = _upload(groups.seeded, torch.long, logits.device)
@@ -88,7 +89,7 @@ class Settings:
     temperature: torch.Tensor
     """float32 [rows]."""
     top_k: torch.Tensor
-    """long [rows]; 0 where the row makes no top-k cut (0, -1, or past the vocabulary)."""
+    """long [rows]; 0 where the row makes no top-k cut (0, -1, or the vocabulary or more)."""
     top_p: torch.Tensor
     """float32 [rows]; inf where the row makes no top-p cut (top_p 1)."""
     max_k: int
@@ -97,12 +98,11 @@ class Settings:
     """Whether any row cuts by top_p: then the rows are sorted once, for both cuts."""
 
     @classmethod
-    def of(cls, params: list[SamplingParams], device: torch.device) -> Settings:
-        """The settings of rows of `params` (for logits of any vocabulary: a top_k at or past
-        it keeps it all, as no cut does)."""
+    def of(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> Settings:
+        """The settings of rows of `params` over a vocabulary of `vocab` tokens."""
         columns = [
             [p.temperature for p in params],
-            [max(p.top_k, 0) for p in params],
+            [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
             [p.top_p if p.top_p < 1 else float("inf") for p in params],
         ]
         temperature, top_k, top_p = _upload(columns, torch.float64, device)
@@ -132,7 +132,7 @@ def cut_logits(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
     scaled = (x - x.max(dim=-1, keepdim=True).values) / settings.temperature[:, None]
     if settings.nucleus:
         keep = _nucleus(x, settings)
-    elif settings.max_k < x.shape[-1] and settings.max_k > 0:
+    elif settings.max_k > 0:
         keep = x >= _kth(torch.topk(x, settings.max_k, dim=-1).values, settings.top_k)
     else:
         return scaled
@@ -140,12 +140,10 @@ def cut_logits(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
 
 
 def _kth(descending: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Each row's k-th largest logit [rows, 1] from its values sorted in descending order, or
-    -inf where the row makes no top-k cut (or asks for more than the vocabulary)."""
-    width = descending.shape[-1]
-    cut = (top_k > 0) & (top_k <= width)
-    index = (top_k.clamp(1, width) - 1)[:, None]
-    return torch.where(cut[:, None], descending.gather(1, index), float("-inf"))
+    """Each row's k-th largest logit [rows, 1] from its largest values in descending order
+    (at least the largest top_k of them), or -inf where the row makes no top-k cut."""
+    index = (top_k.clamp(min=1) - 1)[:, None]
+    return torch.where(top_k[:, None] > 0, descending.gather(1, index), float("-inf"))
 
 
 def _nucleus(x: torch.Tensor, settings: Settings) -> torch.Tensor:
