@@ -45,8 +45,8 @@ class Sampler:
         [rows, vocab], or the exception that fails that sequence alone: one read of the
         device for the whole batch, one more before it when seeded rows sample."""
         groups = _Groups.of(seqs)
-        tokens = logits.argmax(dim=-1)
-        broken = (logits.isnan() | logits.isposinf()).any(dim=-1) | logits.isneginf().all(dim=-1)
+        top = logits.max(dim=-1)  # NaN where a NaN is, +inf where +inf, -inf where all are
+        tokens, broken = top.indices, ~top.values.isfinite()
         if groups.free:
             free = _upload(groups.free, torch.long, logits.device)
             asks = [seqs[row].params for row in groups.free]
@@ -57,9 +57,10 @@ class Sampler:
             drawn = _draw_seeded(logits, broken[seeded], groups.seeded, seqs)
             tokens[seeded] = _upload(drawn, torch.long, logits.device)
         wanted = [seqs[row].params.logprobs or 0 for row in groups.logprobs]
-        chosen, top = _logprobs(logits, tokens, groups.logprobs, max(wanted, default=0))
-        read = _read([tokens, broken, chosen, top.values, top.indices])
-        return _results(seqs, groups.logprobs, wanted, *read)
+        parts = [tokens, broken]
+        if groups.logprobs:
+            parts += _logprobs(logits, tokens, groups.logprobs, max(wanted))
+        return _results(seqs, groups.logprobs, wanted, _read(parts))
 
 
 @dataclass(frozen=True)
@@ -200,26 +201,23 @@ def _draw_seeded(
 
 def _logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], n: int
-) -> tuple[torch.Tensor, torch.return_types.topk]:
-    """For the `rows` that ask: the chosen token's logprob [rows] and the n most likely (at
-    most the vocabulary), from one float64 log_softmax, floored."""
+) -> list[torch.Tensor]:
+    """For the `rows` that ask: the chosen token's logprob [rows], and the values and ids of
+    the n most likely [rows, n] (at most the vocabulary), from one float64 log_softmax,
+    floored."""
     index = _upload(rows, torch.long, logits.device)
     logprobs = torch.log_softmax(logits[index].double(), dim=-1).clamp(min=LOGPROB_FLOOR)
-    chosen = logprobs.gather(1, tokens[index][:, None])[:, 0]
-    return chosen, torch.topk(logprobs, min(n, logprobs.shape[-1]), dim=-1)
+    top = torch.topk(logprobs, min(n, logprobs.shape[-1]), dim=-1)
+    return [logprobs.gather(1, tokens[index][:, None]), top.values, top.indices]
 
 
 def _results(
-    seqs: list[Sequence],
-    logprob_rows: list[int],
-    wanted: list[int],
-    tokens: list[float],
-    broken: list[float],
-    chosen: list[float],
-    top_values: list[float],
-    top_indices: list[float],
+    seqs: list[Sequence], logprob_rows: list[int], wanted: list[int], read: list[list[float]]
 ) -> list[Picked | Exception]:
-    """Per sequence, its token and logprobs from the values read back, or its error."""
+    """Per sequence, its token and logprobs from the values read back (tokens, broken, then
+    for the logprob rows the `_logprobs`), or its error."""
+    tokens, broken, *asked = read
+    chosen, top_values, top_indices = asked or ([], [], [])
     width = len(top_values) // max(len(logprob_rows), 1)
     logprobs: dict[int, TokenLogprob] = {}
     for at, (row, n) in enumerate(zip(logprob_rows, wanted, strict=True)):

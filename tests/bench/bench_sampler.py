@@ -1,9 +1,11 @@
 """Per-step sampling time: the batched sampler against the per-row path it replaced, same run.
 
-For 1, 16 and 64 sampled rows (no seed) over a vocabulary of 128,256 (Llama 3's), float32
-logits on the chosen device, two settings (temperature 0.8 alone; temperature 0.8 with top_p
-0.95 and top_k 50; every row also asking for 5 logprobs in a third, the worst case), each
-path samples the same logits `--steps` times after one untimed warm-up step.
+For 1, 16 and 64 sampled rows over a vocabulary of 128,256 (Llama 3's), float32 logits on the
+chosen device, and four settings (temperature 0.8 alone; with top_p 0.95 and top_k 50; with
+top_p 0.95 and 5 logprobs a row; and seeded rows, which both paths draw on the CPU), each path
+samples the same logits `--steps` times after one untimed warm-up step. Beside the times, the
+largest difference between the batched pass's float32 distribution (softmax of `cut_logits`,
+on the device) and the float64 `distribution` of the same rows, up to four of them.
 
 Baseline: the sampler as it was before the batched pass (flare a5d77f7, reproduced here
 verbatim in `per_row`): one read of every row's argmax, then per sampled row a float64
@@ -11,8 +13,10 @@ softmax of the vocabulary, its cuts, a copy to the CPU and torch.multinomial the
 logprob row a float64 log_softmax read row by row.
 
     python tests/bench/bench_sampler.py [--device cpu|cuda] [--steps 5] [--vocab 128256]
+        [--rows 1 16 64] [--settings temperature top_p+top_k top_p+logprobs seeded]
 
-Prints per-step milliseconds of both paths, their ratio and, on a GPU, the device syncs per
+Prints the median per-step milliseconds of both paths (on the CPU with one thread: timings
+with several move most on a shared machine), their ratio and, on a GPU, the device syncs per
 step that each path makes (torch's sync debug mode counts them). Nothing asserts on time.
 """
 
@@ -20,19 +24,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 import warnings
 from collections.abc import Callable
 
 import torch
 
-from flare.serve.engine.sampler import GREEDY_BELOW, LOGPROB_FLOOR, Sampler, distribution
+from flare.serve.engine.sampler import (
+    GREEDY_BELOW,
+    LOGPROB_FLOOR,
+    Sampler,
+    Settings,
+    cut_logits,
+    distribution,
+)
 from flare.serve.engine.sequence import SamplingParams, Sequence, TokenLogprob
 
 SETTINGS = {
     "temperature": {"temperature": 0.8},
     "top_p+top_k": {"temperature": 0.8, "top_p": 0.95, "top_k": 50},
     "top_p+logprobs": {"temperature": 0.8, "top_p": 0.95, "logprobs": 5},
+    "seeded": {"temperature": 0.8, "top_p": 0.95, "seed": 7},
 }
 
 
@@ -65,7 +78,7 @@ def _logprob(logits: torch.Tensor, token: int, n: int) -> TokenLogprob:
 def per_step(
     path: Callable[[], object], device: torch.device, steps: int
 ) -> tuple[float, float | None]:
-    """Milliseconds per step (after a warm-up step) and, on a GPU, syncs per step."""
+    """Median milliseconds per step (after a warm-up step) and, on a GPU, syncs per step."""
     path()
     syncs = None
     if device.type == "cuda":
@@ -76,13 +89,24 @@ def per_step(
             path()
             torch.cuda.set_sync_debug_mode("default")
         syncs = sum("synchroniz" in str(w.message) for w in caught)
-        torch.cuda.synchronize()
-    started = time.perf_counter()
+    times = []
     for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
         path()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - started) / steps * 1000, syncs
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000, syncs
+
+
+def float64_gap(logits: torch.Tensor, params: list[SamplingParams]) -> float:
+    """The largest difference between the batched float32 distribution and the float64 one."""
+    settings = Settings.of(params, logits.shape[-1], logits.device)
+    batched = torch.softmax(cut_logits(logits, settings), dim=-1).double()
+    exact = torch.stack([distribution(row, p) for row, p in zip(logits, params, strict=True)])
+    return float((batched - exact).abs().max())
 
 
 def compare(
@@ -104,6 +128,7 @@ def compare(
         "speedup": round(old / new, 2),
         "per_row_syncs": old_syncs,
         "batched_syncs": new_syncs,
+        "max_abs_diff_vs_float64": float64_gap(logits[:4], [s.params for s in seqs[:4]]),
     }
 
 
@@ -113,11 +138,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--vocab", type=int, default=128_256)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     args = parser.parse_args()
     device = torch.device(args.device)
-    for name, asks in SETTINGS.items():
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # other work on a shared machine moves threaded timings most
+    for name in args.settings:
         for rows in args.rows:
-            result = compare(name, asks, rows, args.vocab, device, args.steps)
+            result = compare(name, SETTINGS[name], rows, args.vocab, device, args.steps)
             print(json.dumps(result), flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(json.dumps({"device": name, "torch": torch.__version__, "steps": args.steps}))
