@@ -9,6 +9,7 @@ batch; a step reads the device once."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -230,34 +231,51 @@ def near_the_nucleus_edge(row: torch.Tensor, params: SamplingParams) -> bool:
     return params.top_p < 1 and bool(((before - params.top_p).abs() < 1e-5).any())
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+Row = tuple[dict[str, float | int], int, bool, int]
+"""A row's settings, how many of its logits are masked, whether they are rounded to whole
+numbers (ties), and a top_k narrow enough for the top-k window."""
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
 @given(
     seed=st.integers(0, 10**6),
     rows=st.lists(
-        st.tuples(row_settings(), st.integers(0, VOCAB - 1), st.booleans()), min_size=1, max_size=6
+        st.tuples(row_settings(), st.integers(0, VOCAB - 1), st.booleans(), st.integers(1, 6)),
+        min_size=1,
+        max_size=6,
     ),
-    nucleus=st.booleans(),
+    cuts=st.sampled_from(("as drawn", "no top_p", "narrow top_k")),
 )
 def test_a_batch_of_rows_is_cut_as_each_rows_float64_distribution(
-    seed: int, rows: list[tuple[dict[str, float | int], int, bool]], nucleus: bool
+    seed: int, rows: list[Row], cuts: str
 ) -> None:
     """One float32 pass over rows of different settings gives each row its own float64
     distribution within 1e-5 (away from the nucleus's edge, where float32 may round a token
-    in or out); rows rounded to whole numbers have ties at the k-th, which are kept. Half
-    the batches make no top-p cut, which the batch then makes without sorting."""
-    logits = torch.stack([logits_row(seed + i, masked=m) for i, (_, m, _) in enumerate(rows)])
-    for row, (_, _, whole) in zip(logits, rows, strict=True):
+    in or out); rows rounded to whole numbers have ties at the k-th, which are kept. A third
+    of the batches make no top-p cut (made without a sort), a third cut every row by a top_k
+    narrow enough for the top-k window, which then cuts as the sort of the rows does."""
+    logits = torch.stack([logits_row(seed + i, masked=r[1]) for i, r in enumerate(rows)])
+    for row, (_, _, whole, _) in zip(logits, rows, strict=True):
         if whole:
             row.round_()
-    params = [SamplingParams(**{**s, **({} if nucleus else {"top_p": 1.0})}) for s, _, _ in rows]  # type: ignore[arg-type]
+    change = {
+        "as drawn": lambda k: {},
+        "no top_p": lambda k: {"top_p": 1.0},
+        "narrow top_k": lambda k: {"top_k": k},
+    }[cuts]
+    params = [SamplingParams(**{**s, **change(k)}) for s, _, _, k in rows]  # type: ignore[arg-type]
     assume(not any(near_the_nucleus_edge(r, p) for r, p in zip(logits, params, strict=True)))
     settings = Settings.of(params, VOCAB, logits.device)
+    assert settings.windowed or cuts != "narrow top_k"
     probs = torch.softmax(cut_logits(logits, settings), dim=-1)
     for row, p, got in zip(logits, params, probs, strict=True):
         expected = distribution(row, p)
         assert torch.allclose(got.double(), expected, atol=1e-5), (p, got, expected)
         assert (got[expected == 0] == 0).all(), p  # what the reference cuts is cut
         assert (got[expected > 1e-30] > 0).all(), p  # and nothing float32 can hold is
+    if settings.windowed:
+        sorted_rows = replace(settings, windowed=False)
+        assert torch.equal(cut_logits(logits, settings), cut_logits(logits, sorted_rows))
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,9 @@ from flare.serve.engine.sequence import SamplingParams, Sequence, TokenLogprob
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (as vLLM's): the distribution is the argmax up to float
 rounding anyway, and taking it breaks ties as greedy does, without drawing."""
+WINDOW_SHARE = 8
+"""Both cuts are made in a topk window instead of a sort of the vocabulary where every row's
+top_k is at most this share of it (a top_k of 50 over 128K tokens: a selection, not a sort)."""
 LOGPROB_FLOOR = -9999.0
 """The logprob reported for a token of probability zero (a masked logit): JSON has no -inf,
 and OpenAI reports this value for tokens that cannot come."""
@@ -96,7 +99,11 @@ class Settings:
     max_k: int
     """The largest top-k cut of any row, 0 if none: a topk this wide finds every row's k-th."""
     nucleus: bool
-    """Whether any row cuts by top_p: then the rows are sorted once, for both cuts."""
+    """Whether any row cuts by top_p: then the rows are sorted once, for both cuts, or only
+    their top max_k where `windowed`."""
+    windowed: bool
+    """Whether every row cuts by top_k and the widest cut is at most 1/WINDOW_SHARE of the
+    vocabulary: then a topk that wide stands in for the sort."""
 
     @classmethod
     def of(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> Settings:
@@ -107,12 +114,14 @@ class Settings:
             [p.top_p if p.top_p < 1 else float("inf") for p in params],
         ]
         temperature, top_k, top_p = _upload(columns, torch.float64, device)
+        max_k = max(columns[1])
         return cls(
             temperature=temperature.float(),
             top_k=top_k.long(),
             top_p=top_p.float(),
-            max_k=max(columns[1]),
+            max_k=max_k,
             nucleus=any(p.top_p < 1 for p in params),
+            windowed=min(columns[1]) > 0 and max_k * WINDOW_SHARE <= vocab,
         )
 
 
@@ -131,7 +140,9 @@ def cut_logits(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
     outside the top-k and top-p cuts; their softmax is `distribution`'s within float32."""
     x = logits.float()
     scaled = (x - x.max(dim=-1, keepdim=True).values) / settings.temperature[:, None]
-    if settings.nucleus:
+    if settings.nucleus and settings.windowed:
+        keep = _nucleus_in_window(x, scaled, settings)
+    elif settings.nucleus:
         keep = _nucleus(x, settings)
     elif settings.max_k > 0:
         keep = x >= _kth(torch.topk(x, settings.max_k, dim=-1).values, settings.top_k)
@@ -157,6 +168,33 @@ def _nucleus(x: torch.Tensor, settings: Settings) -> torch.Tensor:
     outside = probs.cumsum(dim=-1) - probs >= settings.top_p[:, None]
     outside[:, 0] = False
     return torch.empty_like(kept).scatter_(1, order, kept & ~outside)
+
+
+def _nucleus_in_window(x: torch.Tensor, scaled: torch.Tensor, settings: Settings) -> torch.Tensor:
+    """What `_nucleus` keeps, where every row cuts by top_k, from the rows' top max_k alone.
+    Every token above a row's k-th value is in that window, where a stable sort of it gives
+    them the sort's order (by value, then by index); the k-th value's ties may run past it,
+    so they are kept in index order while the mass before them (the mass above the k-th
+    plus that of the ties before) is below top_p; the first token is always kept."""
+    values, index = torch.topk(x, settings.max_k, dim=-1)
+    kth = _kth(values, settings.top_k)
+    by_index = index.argsort(dim=-1)
+    values, order = values.gather(1, by_index).sort(dim=-1, descending=True, stable=True)
+    index = index.gather(1, by_index).gather(1, order)
+    log_total = scaled.masked_fill(x < kth, float("-inf")).logsumexp(dim=-1, keepdim=True)
+    above = values > kth
+    probs = (scaled.gather(1, index) - log_total).exp().masked_fill(~above, 0.0)
+    first = torch.arange(values.shape[-1], device=x.device) == 0
+    top_p = settings.top_p[:, None]
+    keep = torch.zeros_like(x, dtype=torch.bool)
+    keep.scatter_(1, index, above & ((probs.cumsum(dim=-1) - probs < top_p) | first))
+    tied = x == kth
+    rank = tied.cumsum(dim=-1) - 1
+    at_kth = index.gather(1, (settings.top_k - 1)[:, None])
+    tie = (scaled.gather(1, at_kth) - log_total).exp()
+    mass_before = probs.sum(dim=-1, keepdim=True) + tie * rank
+    first_tie = ~above[:, :1] & (rank == 0)
+    return keep | (tied & ((mass_before < top_p) | first_tie))
 
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
