@@ -3,17 +3,18 @@ one batched pass per step that reads the device once.
 
 A step's rows are split by what they ask for. Greedy rows (temperature below GREEDY_BELOW, 0
 included) take the argmax. Sampled rows without a seed are drawn together on the logits'
-device, in float32: each row is shifted by its maximum and scaled by its temperature (so no
-temperature the API accepts can overflow it), cut by top-k (ties at the k-th value kept; a
-top_k past the vocabulary keeps it all) and top-p (the nucleus always keeps the most likely
-token), then drawn by an exponential race (the Gumbel-max trick: argmax of the cut logits
-minus the log of Exponential(1) noise), which needs neither a sync nor the CPU. Sampled rows
-with a seed keep their own CPU generator and the float64 arithmetic of `distribution`, where
-every temperature and top_p the API accepts is representable, so a seeded request gives the
-same tokens on any device and in any batch; their distributions come to the host in one copy
-for all of them (the step's one extra sync, only when such rows sample). Logprobs are those of
-the model's own distribution (before temperature and cuts), as the OpenAI API reports them,
-in float64, for the rows that ask.
+device, in float32 (the nucleus's mass summed in float64): each row is shifted by its
+maximum and scaled by its temperature (so no temperature the API accepts can overflow it),
+cut by top-k (ties at the k-th value kept; a top_k past the vocabulary keeps it all) and
+top-p (the nucleus always keeps the most likely token), from one sort of the rows (or, where
+every row's top_k is narrow, one topk), then drawn by an exponential race (the Gumbel-max
+trick: argmax of the cut logits minus the log of Exponential(1) noise), which needs neither a
+sync nor the CPU. Sampled rows with a seed keep their own CPU generator and the float64
+arithmetic of `distribution`, where every temperature and top_p the API accepts is
+representable, so a seeded request gives the same tokens on any device and in any batch;
+their distributions come to the host in one copy for all of them (the step's one extra sync,
+only when such rows sample). Logprobs are those of the model's own distribution (before
+temperature and cuts), as the OpenAI API reports them, in float64, for the rows that ask.
 
 Every row's token, whether its row could be trusted at all (NaN or +inf anywhere, or nothing
 above -inf: no token of it can be), and the logprobs come back in one read; a row that cannot
@@ -95,7 +96,8 @@ class Settings:
     top_k: torch.Tensor
     """long [rows]; 0 where the row makes no top-k cut (0, -1, or the vocabulary or more)."""
     top_p: torch.Tensor
-    """float32 [rows]; inf where the row makes no top-p cut (top_p 1)."""
+    """float64 [rows] (the nucleus's mass is summed in float64); inf where the row makes no
+    top-p cut (top_p 1)."""
     max_k: int
     """The largest top-k cut of any row, 0 if none: a topk this wide finds every row's k-th."""
     nucleus: bool
@@ -118,7 +120,7 @@ class Settings:
         return cls(
             temperature=temperature.float(),
             top_k=top_k.long(),
-            top_p=top_p.float(),
+            top_p=top_p,
             max_k=max_k,
             nucleus=any(p.top_p < 1 for p in params),
             windowed=min(columns[1]) > 0 and max_k * WINDOW_SHARE <= vocab,
@@ -164,7 +166,7 @@ def _nucleus(x: torch.Tensor, settings: Settings) -> torch.Tensor:
     ordered, order = torch.sort(x, dim=-1, descending=True, stable=True)
     kept = ordered >= _kth(ordered, settings.top_k)
     scaled = (ordered - ordered[:, :1]) / settings.temperature[:, None]
-    probs = torch.softmax(scaled.masked_fill(~kept, float("-inf")), dim=-1)
+    probs = torch.softmax(scaled.masked_fill(~kept, float("-inf")).double(), dim=-1)
     outside = probs.cumsum(dim=-1) - probs >= settings.top_p[:, None]
     outside[:, 0] = False
     return torch.empty_like(kept).scatter_(1, order, kept & ~outside)
@@ -181,9 +183,9 @@ def _nucleus_in_window(x: torch.Tensor, scaled: torch.Tensor, settings: Settings
     by_index = index.argsort(dim=-1)
     values, order = values.gather(1, by_index).sort(dim=-1, descending=True, stable=True)
     index = index.gather(1, by_index).gather(1, order)
-    log_total = scaled.masked_fill(x < kth, float("-inf")).logsumexp(dim=-1, keepdim=True)
+    log_total = scaled.masked_fill(x < kth, float("-inf")).double().logsumexp(-1, keepdim=True)
     above = values > kth
-    probs = (scaled.gather(1, index) - log_total).exp().masked_fill(~above, 0.0)
+    probs = (scaled.gather(1, index).double() - log_total).exp().masked_fill(~above, 0.0)
     first = torch.arange(values.shape[-1], device=x.device) == 0
     top_p = settings.top_p[:, None]
     keep = torch.zeros_like(x, dtype=torch.bool)
@@ -191,7 +193,7 @@ def _nucleus_in_window(x: torch.Tensor, scaled: torch.Tensor, settings: Settings
     tied = x == kth
     rank = tied.cumsum(dim=-1) - 1
     at_kth = index.gather(1, (settings.top_k - 1)[:, None])
-    tie = (scaled.gather(1, at_kth) - log_total).exp()
+    tie = (scaled.gather(1, at_kth).double() - log_total).exp()
     mass_before = probs.sum(dim=-1, keepdim=True) + tie * rank
     first_tie = ~above[:, :1] & (rank == 0)
     return keep | (tied & ((mass_before < top_p) | first_tie))
