@@ -9,6 +9,7 @@ batch; a step reads the device once."""
 from __future__ import annotations
 
 import math
+import traceback
 from dataclasses import replace
 
 import pytest
@@ -371,3 +372,30 @@ def test_a_step_of_unseeded_rows_reads_the_device_once(rows: int) -> None:
         results = Sampler().sample(logits, seqs)
     assert reads.count == 1
     assert all(0 <= picked(result)[0] < VOCAB for result in results)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        {"temperature": 0.0, "logprobs": 5},
+        {"temperature": 0.8},
+        {"temperature": 1.0, "top_k": 7, "logprobs": 0},
+        {"temperature": 0.8, "top_k": 50, "top_p": 0.95},
+        {"temperature": 0.6, "top_p": 0.5, "logprobs": 20},
+    ],
+    ids=["greedy", "temperature", "top_k", "top_k+top_p", "top_p"],
+)
+def test_nothing_in_the_batched_pass_reads_the_device_before_its_one_read(
+    kind: dict[str, float],
+) -> None:
+    """On the meta device, where any read of a tensor's values raises, and so does any op
+    whose output's shape depends on them (a boolean mask, nonzero: syncs on a GPU), unseeded
+    rows of a 128K vocabulary run through the whole pass to the step's one read. (An op that
+    syncs inside on a GPU but has a shape of its own, as torch.multinomial does, shows only
+    there: bench_sampler.py --device cuda counts the syncs.)"""
+    seqs = [Sequence([1], SamplingParams(**kind), 1) for _ in range(4)]  # type: ignore[arg-type]
+    logits = torch.empty(len(seqs), 128_256, device="meta")
+    with pytest.raises(NotImplementedError, match="meta tensor") as raised:
+        Sampler().sample(logits, seqs)
+    frames = [f.name for f in traceback.extract_tb(raised.value.__traceback__)]
+    assert frames[frames.index("sample") + 1] == "_read", frames
