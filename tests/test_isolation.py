@@ -32,8 +32,8 @@ from test_runtime import Package, build_package
 from flare.serve.api import ServedPackage, create_app
 from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.runner import ModelRunner
-from flare.serve.engine.sampler import Sampler
-from flare.serve.engine.sequence import Sequence, TokenLogprob
+from flare.serve.engine.sampler import Picked, Sampler
+from flare.serve.engine.sequence import Sequence
 from flare.serve.runtime import (
     GenerateRuntime,
     RequestFailed,
@@ -56,37 +56,47 @@ FAIL_SAMPLING_SEED = 13
 """A request with this seed fails while its third token is sampled (the injected fault)."""
 FAIL_FORWARD_SEED = 14
 """A prefill batch holding a request with this seed fails in the forward (the injected fault)."""
+FAIL_LOGITS_SEED = 15
+"""A request with this seed gets a NaN in its logits for its third token (the injected fault)."""
+NAN_MESSAGE = "ValueError: the model's logits for this request hold NaN or infinity"
 
 
 class FaultySampler(Sampler):
-    """The real sampler, raising for the marked request once it is decoding beside others;
-    it notes how many sequences that step held."""
+    """The real sampler, failing the marked request's row once it is decoding beside others
+    (as a row the model broke fails); it notes how many sequences that step held."""
 
     def __init__(self) -> None:
-        self.rows = 0
         self.rows_at_fault: list[int] = []
 
-    def scan(self, logits: torch.Tensor) -> list[int | None]:
-        self.rows = len(logits)
-        return super().scan(logits)
-
-    def pick(
-        self, logits: torch.Tensor, seq: Sequence, top: int | None
-    ) -> tuple[int, TokenLogprob | None]:
-        if seq.params.seed == FAIL_SAMPLING_SEED and seq.num_output_tokens == 2:
-            self.rows_at_fault.append(self.rows)
-            raise RuntimeError("injected sampling fault")
-        return super().pick(logits, seq, top)
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Picked | Exception]:
+        results = super().sample(logits, seqs)
+        for row, seq in enumerate(seqs):
+            if seq.params.seed == FAIL_SAMPLING_SEED and seq.num_output_tokens == 2:
+                self.rows_at_fault.append(len(seqs))
+                results[row] = RuntimeError("injected sampling fault")
+        return results
 
 
 class FaultyRunner(ModelRunner):
     """The real model runner, failing every prefill that holds the marked request before the
-    model writes its KV (as an allocation failure at the start of a forward would)."""
+    model writes its KV (as an allocation failure at the start of a forward would), and
+    putting a NaN into another marked request's logits once it is decoding beside others (as
+    a model that breaks on one prompt would); it notes how many sequences that step held."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.rows_at_fault: list[int] = []
 
     def run(self, seqs: list[Sequence], prefill: bool) -> torch.Tensor:
         if prefill and any(seq.params.seed == FAIL_FORWARD_SEED for seq in seqs):
             raise RuntimeError("injected forward fault")
-        return super().run(seqs, prefill)
+        logits = super().run(seqs, prefill)
+        for row, seq in enumerate(seqs):
+            if seq.params.seed == FAIL_LOGITS_SEED and seq.num_output_tokens == 2:
+                self.rows_at_fault.append(len(seqs))
+                with torch.inference_mode():  # the forward's logits are inference tensors
+                    logits[row, 7] = float("nan")
+        return logits
 
 
 @dataclass
@@ -226,14 +236,27 @@ def test_logprobs_of_a_tiny_temperature_are_finite(plain: Served) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    ("seed", "message"),
+    [
+        (FAIL_SAMPLING_SEED, "RuntimeError: injected sampling fault"),
+        (FAIL_LOGITS_SEED, NAN_MESSAGE),
+    ],
+    ids=["sampling-fault", "nan-logits"],
+)
 def test_a_failing_sequence_ends_alone_and_the_five_beside_it_answer(
     faulty: Served,
     greedy_answers: list[str],
     stream: bool,
+    seed: int,
+    message: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    sampler = faulty.runtime.engine.sampler
-    assert isinstance(sampler, FaultySampler)
+    """A fault in the sampler's result for one row, or a row of logits that cannot be sampled
+    (the real sampler's check), in a step of six."""
+    engine = faulty.runtime.engine
+    assert isinstance(engine.sampler, FaultySampler) and isinstance(engine.runner, FaultyRunner)
+    injected = engine.sampler if seed == FAIL_SAMPLING_SEED else engine.runner
     failed_before = faulty.metric("flare_requests_failed_total")
     long = {"max_tokens": 200}
     others = [
@@ -243,26 +266,24 @@ def test_a_failing_sequence_ends_alone_and_the_five_beside_it_answer(
 
     def poisoned() -> tuple[int, dict]:
         faulty.wait_running(5)  # the five are decoding: the fault lands in their steps
-        return ask(faulty.url, PROMPTS[5], stream=stream, seed=FAIL_SAMPLING_SEED)
+        return ask(faulty.url, PROMPTS[5], stream=stream, seed=seed)
 
     with caplog.at_level(logging.ERROR, logger="flare.serve.engine.engine"):
         *answers, (status, error) = together([*others, poisoned])
 
-    assert sampler.rows_at_fault[-1] == 6  # it failed in a step it shared with the five
+    assert injected.rows_at_fault[-1] == 6  # it failed in a step it shared with the five
     assert [s for s, _ in answers] == [200] * 5
     for (_, answer), alone in zip(answers, greedy_answers, strict=False):
         assert answer["text"].startswith(alone)
     assert status == (200 if stream else 500)
     assert error["type"] == "server_error"
-    found = re.fullmatch(
-        r"request (\d+) failed: RuntimeError: injected sampling fault", error["message"]
-    )
+    found = re.fullmatch(rf"request (\d+) failed: {re.escape(message)}", error["message"])
     assert found, error
     if stream:  # the status had gone: what was made (two tokens), the error event, [DONE]
         assert error["done"] and error["chunks"] <= 2
         assert greedy_answers[5].startswith(error["text"])
     logged = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert logged == [f"request {found.group(1)} failed: RuntimeError: injected sampling fault"]
+    assert logged == [f"request {found.group(1)} failed: {message}"]
     assert faulty.metric("flare_requests_failed_total") == failed_before + 1
     assert faulty.metric("flare_kv_blocks_used") == 0
     assert faulty.metric("flare_requests_running") == 0

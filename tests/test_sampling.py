@@ -1,18 +1,32 @@
 """The sampler against float64 references, for every value the API accepts: temperatures down
 to the smallest subnormal, top_p as small, top_k past the vocabulary, masked (-inf) and
 all-equal logits. Whatever a request asks for, it gets a token from its own distribution and
-finite, correct logprobs; a row the model broke fails that row only."""
+finite, correct logprobs; a row the model broke fails that row only. Unseeded rows are drawn
+together in float32 (their distribution matches the float64 one within tolerance, and so do
+their draws' frequencies); seeded rows keep their own float64 draw, the same alone and in any
+batch; a step reads the device once."""
 
 from __future__ import annotations
 
 import math
+import traceback
+from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
-from flare.serve.engine.sampler import LOGPROB_FLOOR, Sampler, distribution
+from flare.serve.engine.sampler import (
+    LOGPROB_FLOOR,
+    Picked,
+    Sampler,
+    Settings,
+    cut_logits,
+    distribution,
+    draw,
+)
 from flare.serve.engine.sequence import SamplingParams, Sequence, TokenLogprob
 
 VOCAB = 48
@@ -27,10 +41,17 @@ def logits_row(seed: int, vocab: int = VOCAB, masked: int = 0) -> torch.Tensor:
     return row
 
 
+def picked(result: Picked | Exception) -> Picked:
+    """A row's result, raising its exception as the engine's caller would see it fail."""
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
 def pick(row: torch.Tensor, **settings: object) -> tuple[int, TokenLogprob | None]:
-    sampler = Sampler()
+    """One row sampled alone, as a batch of one."""
     seq = Sequence([1], SamplingParams(**settings), max_tokens=1)  # type: ignore[arg-type]
-    return sampler.pick(row, seq, sampler.scan(row[None])[0])
+    return picked(Sampler().sample(row[None], [seq])[0])
 
 
 def reference(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -127,7 +148,7 @@ def test_draws_follow_the_distribution() -> None:
     sampler = Sampler()
     counts = torch.zeros(5)
     for _ in range(10_000):
-        counts[sampler.pick(row, seq, 0)[0]] += 1
+        counts[picked(sampler.sample(row[None], [seq])[0])[0]] += 1
     expected = reference(row, params).float() * 10_000
     assert counts[4] == 0
     assert ((counts - expected).abs() <= 4 * expected.sqrt() + 1).all(), (counts, expected)
@@ -161,17 +182,220 @@ def test_more_logprobs_than_the_vocabulary_lists_the_vocabulary() -> None:
 
 
 @pytest.mark.parametrize("poison", ("nan", "+inf", "all -inf"))
-def test_a_broken_row_fails_alone(poison: str) -> None:
-    logits = torch.stack([logits_row(1), logits_row(2), logits_row(3)])
+@pytest.mark.parametrize("temperature", (0.0, 1.0))
+@pytest.mark.parametrize("seed", (None, 5))
+def test_a_broken_row_fails_alone(poison: str, temperature: float, seed: int | None) -> None:
+    """Beside a greedy, an unseeded and a seeded row (all asking for logprobs), whatever the
+    broken row asks for; a seeded broken row draws nothing from its generator."""
+    logits = torch.stack([logits_row(1), logits_row(2), logits_row(3), logits_row(4)])
     if poison == "all -inf":
         logits[1] = float("-inf")
     else:
         logits[1, 4] = float(poison.lstrip("+"))
+    asks = [
+        {"temperature": 0.0},
+        {"temperature": temperature, "seed": seed},
+        {"temperature": 0.9},
+        {"temperature": 0.9, "seed": 8},
+    ]
+    seqs = [Sequence([1], SamplingParams(**s, logprobs=3), 1) for s in asks]  # type: ignore[arg-type]
+    results = Sampler().sample(logits, seqs)
+    assert isinstance(results[1], ValueError)
+    assert str(results[1]) == "the model's logits for this request hold NaN or infinity"
+    assert picked(results[0])[0] == int(logits[0].argmax())
+    for row in (2, 3):
+        token, logprob = picked(results[row])
+        assert 0 <= token < VOCAB and logprob is not None and logprob.token_id == token
+    if generator := seqs[1].generator:
+        assert generator.get_state().equal(torch.Generator().manual_seed(5).get_state())
+
+
+# -- batched and unseeded: float32 on the device ----------------------------------------------
+
+
+def row_settings() -> st.SearchStrategy[dict[str, float | int]]:
+    return st.fixed_dictionaries(
+        {
+            "temperature": st.one_of(st.sampled_from((1e-5, 0.01, 2.0)), st.floats(1e-5, 2.0)),
+            "top_p": st.one_of(st.sampled_from((5e-324, 0.5, 1.0)), st.floats(5e-324, 1.0)),
+            "top_k": st.one_of(st.sampled_from((-1, 0, 1, VOCAB, 10**12)), st.integers(-1, 60)),
+        }
+    )
+
+
+def near_the_nucleus_edge(row: torch.Tensor, params: SamplingParams) -> bool:
+    """Whether a token's mass before it (in the reference's top-k cut) lies within float32's
+    reach of top_p: there float32 and float64 may rightly disagree on the nucleus."""
+    probs = reference(row, SamplingParams(temperature=params.temperature, top_k=params.top_k))
+    ordered = probs.sort(descending=True, stable=True).values
+    before = (ordered.cumsum(dim=-1) - ordered)[1:]  # the first token is always kept
+    return params.top_p < 1 and bool(((before - params.top_p).abs() < 1e-6).any())
+
+
+Row = tuple[dict[str, float | int], int, bool, int]
+"""A row's settings, how many of its logits are masked, whether they are rounded to whole
+numbers (ties), and a top_k narrow enough for the top-k window."""
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+@given(
+    seed=st.integers(0, 10**6),
+    rows=st.lists(
+        st.tuples(row_settings(), st.integers(0, VOCAB - 1), st.booleans(), st.integers(1, 6)),
+        min_size=1,
+        max_size=6,
+    ),
+    cuts=st.sampled_from(("as drawn", "no top_p", "narrow top_k")),
+)
+def test_a_batch_of_rows_is_cut_as_each_rows_float64_distribution(
+    seed: int, rows: list[Row], cuts: str
+) -> None:
+    """One float32 pass over rows of different settings gives each row its own float64
+    distribution within 1e-6 (away from the nucleus's edge, where float32 may round a token
+    in or out); rows rounded to whole numbers have ties at the k-th, which are kept. A third
+    of the batches make no top-p cut (made without a sort), a third cut every row by a top_k
+    narrow enough for the top-k window, which then cuts as the sort of the rows does."""
+    logits = torch.stack([logits_row(seed + i, masked=r[1]) for i, r in enumerate(rows)])
+    for row, (_, _, whole, _) in zip(logits, rows, strict=True):
+        if whole:
+            row.round_()
+    change = {
+        "as drawn": lambda k: {},
+        "no top_p": lambda k: {"top_p": 1.0},
+        "narrow top_k": lambda k: {"top_k": k},
+    }[cuts]
+    params = [SamplingParams(**{**s, **change(k)}) for s, _, _, k in rows]  # type: ignore[arg-type]
+    assume(not any(near_the_nucleus_edge(r, p) for r, p in zip(logits, params, strict=True)))
+    settings = Settings.of(params, VOCAB, logits.device)
+    assert settings.windowed or cuts != "narrow top_k"
+    probs = torch.softmax(cut_logits(logits, settings), dim=-1)
+    for row, p, got in zip(logits, params, probs, strict=True):
+        expected = distribution(row, p)
+        assert torch.allclose(got.double(), expected, atol=1e-6), (p, got, expected)
+        assert (got[expected == 0] == 0).all(), p  # what the reference cuts is cut
+        assert (got[expected > 1e-30] > 0).all(), p  # and nothing float32 can hold is
+    if settings.windowed:
+        sorted_rows = replace(settings, windowed=False)
+        assert torch.equal(cut_logits(logits, settings), cut_logits(logits, sorted_rows))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.3, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=0.5, top_k=4, top_p=0.9),
+    ],
+    ids=["temperature", "top_k", "top_p", "top_k+top_p"],
+)
+def test_unseeded_draws_follow_the_distribution(params: SamplingParams) -> None:
+    """20,000 rows drawn in one batch: each token's frequency within 4 sigma of its float64
+    probability, the chi-square statistic within 6 sigma of its mean, and cut tokens never
+    drawn (torch's global RNG seeded: no flake)."""
+    torch.manual_seed(1234)
+    row = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, float("-inf")])
+    n = 20_000
+    tokens = draw(row.expand(n, -1), Settings.of([params] * n, len(row), row.device))
+    counts = torch.bincount(tokens, minlength=len(row)).double()
+    expected = distribution(row, params) * n
+    assert (counts[expected == 0] == 0).all(), (counts, expected)
+    kept = expected > 0
+    assert ((counts - expected).abs() <= 4 * expected.sqrt() + 1).all(), (counts, expected)
+    chi2 = float(((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum())
+    df = int(kept.sum()) - 1
+    assert chi2 <= df + 6 * math.sqrt(2 * max(df, 1)), (chi2, df)
+
+
+def test_a_seeded_request_gives_the_same_tokens_alone_and_beside_unseeded_rows() -> None:
+    """A seeded request's 32 tokens alone equal its tokens in a batch of 16 where unseeded
+    sampled, greedy and logprob rows (in other positions from step to step) draw beside it."""
+    steps = [logits_row(100 + step) for step in range(32)]
+    params = {"temperature": 0.9, "top_p": 0.95, "top_k": 20, "seed": 42}
     sampler = Sampler()
-    tops = sampler.scan(logits)
-    assert tops == [int(logits[0].argmax()), None, int(logits[2].argmax())]
-    seqs = [Sequence([1], SamplingParams(temperature=t), 1) for t in (0.0, 1.0, 0.9)]
-    with pytest.raises(ValueError, match="logits for this request hold NaN or infinity"):
-        sampler.pick(logits[1], seqs[1], tops[1])
-    assert sampler.pick(logits[0], seqs[0], tops[0])[0] == tops[0]
-    assert 0 <= sampler.pick(logits[2], seqs[2], tops[2])[0] < VOCAB
+    alone_seq = Sequence([1], SamplingParams(**params), 32)  # type: ignore[arg-type]
+    alone = [picked(sampler.sample(row[None], [alone_seq])[0])[0] for row in steps]
+    batch_seq = Sequence([1], SamplingParams(**params, logprobs=2), 32)  # type: ignore[arg-type]
+    others = [
+        Sequence([1], SamplingParams(temperature=t, logprobs=(i % 3 or None)), 32)
+        for i, t in enumerate([1.0, 0.0, 0.7, 1.5] * 4)
+    ][:15]
+    beside = []
+    for step, row in enumerate(steps):
+        at = step % 16
+        seqs = [*others[:at], batch_seq, *others[at:]]
+        logits = torch.stack([logits_row(step * 16 + i) for i in range(16)])
+        logits[at] = row
+        beside.append(picked(sampler.sample(logits, seqs)[at])[0])
+    assert beside == alone
+    assert len(set(alone)) > 1  # it did sample
+
+
+class DeviceReads(TorchFunctionMode):
+    """Counts the calls that bring a tensor's values to the host (a sync on a GPU)."""
+
+    READS = frozenset(
+        {
+            torch.Tensor.tolist,
+            torch.Tensor.item,
+            torch.Tensor.cpu,
+            torch.Tensor.numpy,
+            torch.Tensor.__int__,
+            torch.Tensor.__float__,
+            torch.Tensor.__bool__,
+            torch.Tensor.__index__,
+        }
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rows", (1, 16, 64))
+def test_a_step_of_unseeded_rows_reads_the_device_once(rows: int) -> None:
+    """Greedy, sampled (every cut) and logprob rows: one read for the whole batch."""
+    kinds = [
+        {"temperature": 0.0, "logprobs": 5},
+        {"temperature": 0.8},
+        {"temperature": 1.0, "top_k": 7, "logprobs": 0},
+        {"temperature": 1.2, "top_p": 0.9, "top_k": 30},
+        {"temperature": 0.6, "top_p": 0.5, "logprobs": 20},
+    ]
+    seqs = [Sequence([1], SamplingParams(**kinds[i % 5]), 1) for i in range(rows)]  # type: ignore[arg-type]
+    logits = torch.stack([logits_row(i, masked=i % 7) for i in range(rows)])
+    with DeviceReads() as reads:
+        results = Sampler().sample(logits, seqs)
+    assert reads.count == 1
+    assert all(0 <= picked(result)[0] < VOCAB for result in results)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        {"temperature": 0.0, "logprobs": 5},
+        {"temperature": 0.8},
+        {"temperature": 1.0, "top_k": 7, "logprobs": 0},
+        {"temperature": 0.8, "top_k": 50, "top_p": 0.95},
+        {"temperature": 0.6, "top_p": 0.5, "logprobs": 20},
+    ],
+    ids=["greedy", "temperature", "top_k", "top_k+top_p", "top_p"],
+)
+def test_nothing_in_the_batched_pass_reads_the_device_before_its_one_read(
+    kind: dict[str, float],
+) -> None:
+    """On the meta device, where any read of a tensor's values raises, and so does any op
+    whose output's shape depends on them (a boolean mask, nonzero: syncs on a GPU), unseeded
+    rows of a 128K vocabulary run through the whole pass to the step's one read. (An op that
+    syncs inside on a GPU but has a shape of its own, as torch.multinomial does, shows only
+    there: bench_sampler.py --device cuda counts the syncs.)"""
+    seqs = [Sequence([1], SamplingParams(**kind), 1) for _ in range(4)]  # type: ignore[arg-type]
+    logits = torch.empty(len(seqs), 128_256, device="meta")
+    with pytest.raises(NotImplementedError, match="meta tensor") as raised:
+        Sampler().sample(logits, seqs)
+    frames = [f.name for f in traceback.extract_tb(raised.value.__traceback__)]
+    assert frames[frames.index("sample") + 1] == "_read", frames

@@ -4,9 +4,14 @@ Other threads talk to the engine only through its inbox (submissions and cancell
 the request handles it fills; everything else is touched by the engine thread alone.
 
 One request can never fail another. An error in what is done for one sequence (sampling,
-detokenizing, stop strings, delivery) ends that sequence alone; a failed forward ends the
-sequences of its batch alone; either way the failed requests' handles raise RequestFailed,
-their KV blocks are freed, and the engine goes on with every other request.
+detokenizing, stop strings, delivery; a row of logits that cannot be sampled) ends that
+sequence alone; a failed forward, or a failed sampling pass over the whole batch (a device
+error), ends the sequences of its batch alone; either way the failed requests' handles raise
+RequestFailed, their KV blocks are freed, and the engine goes on with every other request.
+
+The loop keeps one step ahead of the host's own work: a step's tokens are read (the one wait
+for the device) and appended, the next step is launched, and only then are the tokens
+detokenized, checked for stop strings and streamed, while the device computes (`step`).
 """
 
 from __future__ import annotations
@@ -184,7 +189,7 @@ class Engine:
             return []
         batch = flight.batch
         try:
-            picks = self._sample(flight)
+            picks = self.sampler.sample(flight.logits, batch.seqs)
         except Exception as exc:  # the forward's own failure surfaces at the first read
             self._forward_failed(batch, exc)
             return []
@@ -206,17 +211,6 @@ class Engine:
         self.counters.steps += 1
         self.counters.busy_seconds += time.perf_counter() - flight.started
         return landed
-
-    def _sample(self, flight: _Flight) -> list[tuple[int, TokenLogprob | None] | Exception]:
-        """Each row's token and logprobs, or the error that row alone fails with."""
-        tops = self.sampler.scan(flight.logits)
-        picks: list[tuple[int, TokenLogprob | None] | Exception] = []
-        for row, seq in enumerate(flight.batch.seqs):
-            try:
-                picks.append(self.sampler.pick(flight.logits[row], seq, tops[row]))
-            except Exception as exc:
-                picks.append(exc)
-        return picks
 
     def _forward_failed(self, batch: ScheduledBatch, exc: Exception) -> None:
         if isinstance(exc, FlareError):  # said in one line (a lost tensor-parallel rank)

@@ -1,19 +1,29 @@
-"""Picks each sequence's next token from its logits, with its own settings and RNG.
+"""Picks every sequence's next token from its row of logits, with its own settings and RNG, in
+one batched pass per step that reads the device once.
 
-The batch is scanned once on the device (every row's argmax, and whether the row can be
-trusted at all); then each sequence is picked on its own, so a row that cannot be sampled
-raises for that sequence alone and the engine ends only it.
+A step's rows are split by what they ask for. Greedy rows (temperature below GREEDY_BELOW, 0
+included) take the argmax. Sampled rows without a seed are drawn together on the logits'
+device, in float32 (the nucleus's mass summed in float64): each row is shifted by its
+maximum and scaled by its temperature (so no temperature the API accepts can overflow it),
+cut by top-k (ties at the k-th value kept; a top_k past the vocabulary keeps it all) and
+top-p (the nucleus always keeps the most likely token), from one sort of the rows (or, where
+every row's top_k is narrow, one topk), then drawn by an exponential race (the Gumbel-max
+trick: argmax of the cut logits minus the log of Exponential(1) noise), which needs neither a
+sync nor the CPU. Sampled rows with a seed keep their own CPU generator and the float64
+arithmetic of `distribution`, where every temperature and top_p the API accepts is
+representable, so a seeded request gives the same tokens on any device and in any batch;
+their distributions come to the host in one copy for all of them (the step's one extra sync,
+only when such rows sample). Logprobs are those of the model's own distribution (before
+temperature and cuts), as the OpenAI API reports them, in float64, for the rows that ask.
 
-Greedy rows (temperature below GREEDY_BELOW, 0 included) take the argmax. Sampled rows are
-scaled by temperature after being shifted by their maximum (so no temperature the API
-accepts can overflow them), cut by top-k and top-p (the nucleus always keeps the most likely
-token), and drawn on the CPU with the request's generator when it has a seed, so a seeded
-request gives the same tokens on any device and batch. The arithmetic is float64, where
-every temperature and top_p the API accepts is representable. Logprobs are those of the
-model's own distribution (before temperature and cuts), as the OpenAI API reports them.
+Every row's token, whether its row could be trusted at all (NaN or +inf anywhere, or nothing
+above -inf: no token of it can be), and the logprobs come back in one read; a row that cannot
+be trusted fails its sequence alone.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -22,39 +32,175 @@ from flare.serve.engine.sequence import SamplingParams, Sequence, TokenLogprob
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (as vLLM's): the distribution is the argmax up to float
 rounding anyway, and taking it breaks ties as greedy does, without drawing."""
+WINDOW_SHARE = 8
+"""Both cuts are made in a topk window instead of a sort of the vocabulary where every row's
+top_k is at most this share of it (a top_k of 50 over 128K tokens: a selection, not a sort)."""
 LOGPROB_FLOOR = -9999.0
 """The logprob reported for a token of probability zero (a masked logit): JSON has no -inf,
 and OpenAI reports this value for tokens that cannot come."""
 
+Picked = tuple[int, TokenLogprob | None]
+"""A sequence's next token and, if it asked, its logprobs."""
+
 
 class Sampler:
-    def scan(self, logits: torch.Tensor) -> list[int | None]:
-        """Every row's most likely token in one device sync, or None for a row the model
-        broke (NaN or +inf anywhere, or nothing above -inf): no token of it can be trusted."""
-        broken = (logits.isnan() | logits.isposinf()).any(dim=-1) | logits.isneginf().all(dim=-1)
-        tops, bad = torch.stack([logits.argmax(dim=-1), broken.long()]).tolist()
-        return [None if b else top for top, b in zip(tops, bad, strict=True)]
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Picked | Exception]:
+        """Each sequence's token (and logprobs if it asked) from its row of float32 `logits`
+        [rows, vocab], or the exception that fails that sequence alone: one read of the
+        device for the whole batch, one more before it when seeded rows sample."""
+        groups = _Groups.of(seqs)
+        top = logits.max(dim=-1)  # NaN where a NaN is, +inf where +inf, -inf where all are
+        tokens, broken = top.indices, ~top.values.isfinite()
+        if groups.free:
+            free = _upload(groups.free, torch.long, logits.device)
+            asks = [seqs[row].params for row in groups.free]
+            settings = Settings.of(asks, logits.shape[-1], logits.device)
+            tokens[free] = draw(logits[free], settings)
+        if groups.seeded:
+            seeded = _upload(groups.seeded, torch.long, logits.device)
+            drawn = _draw_seeded(logits, broken[seeded], groups.seeded, seqs)
+            tokens[seeded] = _upload(drawn, torch.long, logits.device)
+        wanted = [seqs[row].params.logprobs or 0 for row in groups.logprobs]
+        parts = [tokens, broken]
+        if groups.logprobs:
+            parts += _logprobs(logits, tokens, groups.logprobs, max(wanted))
+        return _results(seqs, groups.logprobs, wanted, _read(parts))
 
-    def pick(
-        self, logits: torch.Tensor, seq: Sequence, top: int | None
-    ) -> tuple[int, TokenLogprob | None]:
-        """One sequence's token from its float32 `logits` [vocab] (`top` is its `scan`
-        result), and its logprobs if it asked; raises if this row cannot be sampled."""
-        if top is None:
-            raise ValueError("the model's logits for this request hold NaN or infinity")
-        params = seq.params
-        token = top if params.temperature < GREEDY_BELOW else _draw(logits, params, seq.generator)
-        wanted = params.logprobs
-        return token, None if wanted is None else _logprob(logits, token, wanted)
+
+@dataclass(frozen=True)
+class _Groups:
+    """The rows of a batch by what they need: drawn on the device (`free`), drawn on the CPU
+    with their own generator (`seeded`), logprobs; the rest are greedy."""
+
+    free: list[int]
+    seeded: list[int]
+    logprobs: list[int]
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> _Groups:
+        sampled = [row for row, s in enumerate(seqs) if s.params.temperature >= GREEDY_BELOW]
+        return cls(
+            free=[row for row in sampled if seqs[row].generator is None],
+            seeded=[row for row in sampled if seqs[row].generator is not None],
+            logprobs=[row for row, s in enumerate(seqs) if s.params.logprobs is not None],
+        )
 
 
-def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    probs = distribution(logits, params)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+@dataclass(frozen=True)
+class Settings:
+    """Sampled rows' settings as per-row tensors on their logits' device, and what the host
+    knows of them without reading the device (which cuts any row asks for)."""
+
+    temperature: torch.Tensor
+    """float32 [rows]."""
+    top_k: torch.Tensor
+    """long [rows]; 0 where the row makes no top-k cut (0, -1, or the vocabulary or more)."""
+    top_p: torch.Tensor
+    """float64 [rows] (the nucleus's mass is summed in float64); inf where the row makes no
+    top-p cut (top_p 1)."""
+    max_k: int
+    """The largest top-k cut of any row, 0 if none: a topk this wide finds every row's k-th."""
+    nucleus: bool
+    """Whether any row cuts by top_p: then the rows are sorted once, for both cuts, or only
+    their top max_k where `windowed`."""
+    windowed: bool
+    """Whether every row cuts by top_k and the widest cut is at most 1/WINDOW_SHARE of the
+    vocabulary: then a topk that wide stands in for the sort."""
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> Settings:
+        """The settings of rows of `params` over a vocabulary of `vocab` tokens."""
+        columns = [
+            [p.temperature for p in params],
+            [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
+            [p.top_p if p.top_p < 1 else float("inf") for p in params],
+        ]
+        temperature, top_k, top_p = _upload(columns, torch.float64, device)
+        max_k = max(columns[1])
+        return cls(
+            temperature=temperature.float(),
+            top_k=top_k.long(),
+            top_p=top_p,
+            max_k=max_k,
+            nucleus=any(p.top_p < 1 for p in params),
+            windowed=min(columns[1]) > 0 and max_k * WINDOW_SHARE <= vocab,
+        )
+
+
+def draw(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
+    """One token per row [rows] from softmax(cut_logits): the exponential race, argmax of
+    probs / E with E ~ Exponential(1), taken in logs (E kept above zero, so a token of
+    probability zero can never win)."""
+    cut = cut_logits(logits, settings)
+    noise = torch.empty_like(cut).exponential_().clamp_(min=torch.finfo(cut.dtype).tiny)
+    return (cut - noise.log_()).argmax(dim=-1)
+
+
+def cut_logits(logits: torch.Tensor, settings: Settings) -> torch.Tensor:
+    """The float32 logits [rows, vocab] that sampled rows are drawn from: shifted by their
+    maximum (so dividing by a tiny temperature gives -inf, never inf - inf), scaled, and -inf
+    outside the top-k and top-p cuts; their softmax is `distribution`'s within float32."""
+    x = logits.float()
+    scaled = (x - x.max(dim=-1, keepdim=True).values) / settings.temperature[:, None]
+    if settings.nucleus and settings.windowed:
+        keep = _nucleus_in_window(x, scaled, settings)
+    elif settings.nucleus:
+        keep = _nucleus(x, settings)
+    elif settings.max_k > 0:
+        keep = x >= _kth(torch.topk(x, settings.max_k, dim=-1).values, settings.top_k)
+    else:
+        return scaled
+    return scaled.masked_fill(~keep, float("-inf"))
+
+
+def _kth(descending: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Each row's k-th largest logit [rows, 1] from its largest values in descending order
+    (at least the largest top_k of them), or -inf where the row makes no top-k cut."""
+    index = (top_k.clamp(min=1) - 1)[:, None]
+    return torch.where(top_k[:, None] > 0, descending.gather(1, index), float("-inf"))
+
+
+def _nucleus(x: torch.Tensor, settings: Settings) -> torch.Tensor:
+    """Which tokens [rows, vocab] survive both cuts, from one stable sort of the rows: the
+    top-k cut (ties kept), then the fewest most likely tokens whose mass reaches top_p."""
+    ordered, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    kept = ordered >= _kth(ordered, settings.top_k)
+    scaled = (ordered - ordered[:, :1]) / settings.temperature[:, None]
+    probs = torch.softmax(scaled.masked_fill(~kept, float("-inf")).double(), dim=-1)
+    outside = probs.cumsum(dim=-1) - probs >= settings.top_p[:, None]
+    outside[:, 0] = False
+    return torch.empty_like(kept).scatter_(1, order, kept & ~outside)
+
+
+def _nucleus_in_window(x: torch.Tensor, scaled: torch.Tensor, settings: Settings) -> torch.Tensor:
+    """What `_nucleus` keeps, where every row cuts by top_k, from the rows' top max_k alone.
+    Every token above a row's k-th value is in that window, where a stable sort of it gives
+    them the sort's order (by value, then by index); the k-th value's ties may run past it,
+    so they are kept in index order while the mass before them (the mass above the k-th
+    plus that of the ties before) is below top_p; the first token is always kept."""
+    values, index = torch.topk(x, settings.max_k, dim=-1)
+    kth = _kth(values, settings.top_k)
+    by_index = index.argsort(dim=-1)
+    values, order = values.gather(1, by_index).sort(dim=-1, descending=True, stable=True)
+    index = index.gather(1, by_index).gather(1, order)
+    log_total = scaled.masked_fill(x < kth, float("-inf")).double().logsumexp(-1, keepdim=True)
+    above = values > kth
+    probs = (scaled.gather(1, index).double() - log_total).exp().masked_fill(~above, 0.0)
+    first = torch.arange(values.shape[-1], device=x.device) == 0
+    top_p = settings.top_p[:, None]
+    keep = torch.zeros_like(x, dtype=torch.bool)
+    keep.scatter_(1, index, above & ((probs.cumsum(dim=-1) - probs < top_p) | first))
+    tied = x == kth
+    rank = tied.cumsum(dim=-1) - 1
+    at_kth = index.gather(1, (settings.top_k - 1)[:, None])
+    tie = (scaled.gather(1, at_kth).double() - log_total).exp()
+    mass_before = probs.sum(dim=-1, keepdim=True) + tie * rank
+    first_tie = ~above[:, :1] & (rank == 0)
+    return keep | (tied & ((mass_before < top_p) | first_tie))
 
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The float64 probabilities a sampled row is drawn from: logits shifted by their maximum
+    """The float64 probabilities a seeded row is drawn from: logits shifted by their maximum
     (so dividing by a tiny temperature gives -inf, never inf - inf), scaled, then cut."""
     shifted = logits.double() - logits.max()
     return torch.softmax(_cut(shifted / params.temperature, params), dim=-1)
@@ -77,9 +223,70 @@ def _cut(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def _logprob(logits: torch.Tensor, token: int, n: int) -> TokenLogprob:
-    """The chosen token's logprob and the n most likely (at most the vocabulary), floored."""
-    logprobs = torch.log_softmax(logits.double(), dim=-1).clamp(min=LOGPROB_FLOOR)
-    top = torch.topk(logprobs, min(n, logprobs.numel()))
-    alternatives = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-    return TokenLogprob(token, float(logprobs[token]), alternatives)
+def _draw_seeded(
+    logits: torch.Tensor, broken: torch.Tensor, rows: list[int], seqs: list[Sequence]
+) -> list[int]:
+    """The seeded `rows`' tokens (`broken` is theirs), drawn on the CPU with their own
+    generators from their float64 distributions, which come over in one copy; a broken row
+    draws nothing (its generator stays where it was) and gets a placeholder, as its sequence
+    fails."""
+    probs = torch.stack([distribution(logits[row], seqs[row].params) for row in rows])
+    host = torch.cat([broken[:, None].double(), probs], dim=1).cpu()
+    drawn = []
+    for row, bad, dist in zip(rows, host[:, 0].tolist(), host[:, 1:], strict=True):
+        generator = seqs[row].generator
+        drawn.append(0 if bad else int(torch.multinomial(dist, 1, generator=generator)))
+    return drawn
+
+
+def _logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], n: int
+) -> list[torch.Tensor]:
+    """For the `rows` that ask: the chosen token's logprob [rows], and the values and ids of
+    the n most likely [rows, n] (at most the vocabulary), from one float64 log_softmax,
+    floored."""
+    index = _upload(rows, torch.long, logits.device)
+    logprobs = torch.log_softmax(logits[index].double(), dim=-1).clamp(min=LOGPROB_FLOOR)
+    top = torch.topk(logprobs, min(n, logprobs.shape[-1]), dim=-1)
+    return [logprobs.gather(1, tokens[index][:, None]), top.values, top.indices]
+
+
+def _results(
+    seqs: list[Sequence], logprob_rows: list[int], wanted: list[int], read: list[list[float]]
+) -> list[Picked | Exception]:
+    """Per sequence, its token and logprobs from the values read back (tokens, broken, then
+    for the logprob rows the `_logprobs`), or its error."""
+    tokens, broken, *asked = read
+    chosen, top_values, top_indices = asked or ([], [], [])
+    width = len(top_values) // max(len(logprob_rows), 1)
+    logprobs: dict[int, TokenLogprob] = {}
+    for at, (row, n) in enumerate(zip(logprob_rows, wanted, strict=True)):
+        span = slice(at * width, at * width + min(n, width))
+        top = list(zip(map(int, top_indices[span]), top_values[span], strict=True))
+        logprobs[row] = TokenLogprob(int(tokens[row]), chosen[at], top)
+    return [
+        ValueError("the model's logits for this request hold NaN or infinity")
+        if broken[row]
+        else (int(tokens[row]), logprobs.get(row))
+        for row in range(len(seqs))
+    ]
+
+
+def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`, copied without waiting for the device (from
+    pinned memory, where the device is a GPU)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _read(parts: list[torch.Tensor]) -> list[list[float]]:
+    """Device tensors back on the host in one copy (one sync): flattened, as float64 (token
+    ids and flags are exact in it), one list per part."""
+    flat = torch.cat([part.reshape(-1).double() for part in parts]).tolist()
+    out, at = [], 0
+    for part in parts:
+        out.append(flat[at : at + part.numel()])
+        at += part.numel()
+    return out
