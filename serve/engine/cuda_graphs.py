@@ -117,7 +117,7 @@ class DecodeGraphs:
     def _capture(self, size: int, pool: tuple[int, int] | None) -> _Graph:
         ids, positions, slots = (tensor[:size] for tensor in self._inputs)
         attention = FlashInferGraphDecode(self.attention, slots, self._wrapper_indices)
-        self._fill(self._pad_step(size), attention, size)
+        self._fill(padded_to(_empty_step(), size, self.pad_block, self.block_size), attention, size)
         args = (ids, positions, self._last[:size])
         self.forward(*args, attention)
         torch.cuda.synchronize(self._last.device)
@@ -126,18 +126,6 @@ class DecodeGraphs:
             logits = self.forward(*args, attention)
         return _Graph(graph, attention, logits)
 
-    def _pad_step(self, rows: int) -> StepInput:
-        """`rows` padding rows: each a one-token sequence in the pad block."""
-        slot = self.pad_block * self.block_size
-        return StepInput(
-            ids=[0] * rows,
-            positions=[0] * rows,
-            slots=[slot] * rows,
-            query_lens=[1] * rows,
-            context_lens=[1] * rows,
-            tables=[[self.pad_block]] * rows,
-        )
-
     @torch.inference_mode()
     def run(self, step: StepInput) -> torch.Tensor:
         """The step's float32 logits [sequences, vocab], from the smallest graph that holds
@@ -145,10 +133,7 @@ class DecodeGraphs:
         rows = len(step.ids)
         size = next(n for n in self.sizes if n >= rows)
         graph = self._graphs[size]
-        if size > rows:
-            pad = self._pad_step(size - rows)
-            step = StepInput(*(a + b for a, b in zip(_fields(step), _fields(pad), strict=True)))
-        self._fill(step, graph.attention, size)
+        self._fill(padded_to(step, size, self.pad_block, self.block_size), graph.attention, size)
         graph.graph.replay()
         return graph.logits[:rows]
 
@@ -173,5 +158,20 @@ class DecodeGraphs:
         )
 
 
-def _fields(step: StepInput) -> tuple[list, ...]:
-    return (step.ids, step.positions, step.slots, step.query_lens, step.context_lens, step.tables)
+def padded_to(step: StepInput, size: int, pad_block: int, block_size: int) -> StepInput:
+    """The decode step with rows added up to `size`: each a one-token sequence at position 0
+    of the pad block, whose KV it writes and reads (no sequence's blocks are touched)."""
+    rows = size - len(step.ids)
+    slot = pad_block * block_size
+    return StepInput(
+        ids=step.ids + [0] * rows,
+        positions=step.positions + [0] * rows,
+        slots=step.slots + [slot] * rows,
+        query_lens=step.query_lens + [1] * rows,
+        context_lens=step.context_lens + [1] * rows,
+        tables=step.tables + [[pad_block]] * rows,
+    )
+
+
+def _empty_step() -> StepInput:
+    return StepInput([], [], [], [], [], [])
