@@ -9,8 +9,20 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch
+
+from flare.serve.engine.attention import TorchPagedAttention
+from flare.serve.engine.block_manager import BlockManager
+from flare.serve.engine.runner import ModelRunner
+from flare.serve.engine.sequence import SamplingParams, Sequence
+from flare.serve.models import load_model
+from flare.serve.models.files import PackageFiles
+from flare.serve.models.shard import Shard
 from flare.store.digest import Digest
 from flare.store.hashing import Progress, hash_file, parallel_map
+from flare.store.package import Manifest
+
+CPU = torch.device("cpu")
 
 
 def write_random(path: Path, size: int, seed: int = 0) -> bytes:
@@ -53,3 +65,33 @@ class CliHome:
             assert done.stderr.count("\n") == 1, done.stderr  # one line: no traceback
             assert "Traceback" not in done.stderr and "internal error" not in done.stderr
         return done
+
+
+def cpu_runner(
+    manifest: Manifest, files: dict[str, Path], shard: Shard | None = None
+) -> ModelRunner:
+    """A package's model (or one rank's part of it) on the CPU in float32, with the torch
+    attention over a 16-block KV cache: the runner of the parity tests."""
+    model = load_model(PackageFiles(manifest, files), CPU, torch.float32, shard)
+    attention = TorchPagedAttention(model.attention_spec, 16 * 16, torch.float32, CPU)
+    return ModelRunner(model, attention, 16, CPU)
+
+
+def greedy_answer(
+    runner: ModelRunner, ids: list[int], tokens: int
+) -> tuple[torch.Tensor, list[int]]:
+    """The prompt's logits at every position, and `tokens` greedy tokens after it."""
+    seq = Sequence(ids, SamplingParams(temperature=0, ignore_eos=True), max_tokens=tokens)
+    blocks = BlockManager(16, 16)
+    blocks.allocate(seq)
+    with torch.inference_mode():
+        input_ids, positions, meta = runner.prepare([seq], prefill=True)
+        runner.attention.plan(meta)
+        model = runner.model
+        logits = model.compute_logits(model.forward(input_ids, positions, runner.attention))
+    out = [int(logits[-1].argmax())]
+    while len(out) < tokens:
+        seq.append(out[-1])
+        blocks.append_slot(seq)
+        out.append(int(runner.run([seq], prefill=False)[0].argmax()))
+    return logits, out

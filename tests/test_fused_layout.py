@@ -13,21 +13,20 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import make_llama
+from helpers import cpu_runner, greedy_answer
 from multirank_serving import in_threads
+from registry_helpers import Quiet
 
 from flare.build.checkpoint import read_config, read_tensors
 from flare.build.payloads import store_payload
-from flare.build.pipeline import Build, BuildRequest, PhaseReport
+from flare.build.pipeline import Build, BuildRequest
 from flare.build.plan import plan_payloads
 from flare.build.recipes.llama import LlamaRecipe
 from flare.build.sources import resolve_source
 from flare.errors import InvalidInputError
 from flare.registry.refs import read_manifest
 from flare.registry.registry import Registry
-from flare.serve.engine.attention import TorchPagedAttention
-from flare.serve.engine.block_manager import BlockManager
-from flare.serve.engine.runner import ModelRunner
-from flare.serve.engine.sequence import SamplingParams, Sequence
+from flare.serve.engine.sequence import SamplingParams
 from flare.serve.models import load_model
 from flare.serve.models.files import PackageFiles
 from flare.serve.models.shard import Shard
@@ -38,20 +37,6 @@ from flare.store.safetensors import FormatError
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)
 Package = tuple[Manifest, dict[str, Path]]
-
-
-class Quiet:
-    def phase_started(self, name: str, total: int) -> None:
-        pass
-
-    def advance(self, nbytes: int) -> None:
-        pass
-
-    def phase_finished(self, report: PhaseReport) -> None:
-        pass
-
-    def note(self, message: str) -> None:
-        pass
 
 
 def build_both(checkpoint: Path, tmp: Path, ranks: int) -> tuple[Package, Package]:
@@ -119,29 +104,9 @@ def prompt(length: int = 48) -> list[int]:
     return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(4)).tolist()
 
 
-def runner(package: Package, shard: Shard | None = None) -> ModelRunner:
-    manifest, files = package
-    model = load_model(PackageFiles(manifest, files), CPU, torch.float32, shard)
-    attention = TorchPagedAttention(model.attention_spec, 16 * 16, torch.float32, CPU)
-    return ModelRunner(model, attention, 16, CPU)
-
-
-def answer(runner: ModelRunner, ids: list[int], tokens: int = 16) -> tuple[torch.Tensor, list[int]]:
-    """The prompt's logits at every position, then `tokens` greedy tokens."""
-    seq = Sequence(ids, GREEDY, max_tokens=tokens)
-    blocks = BlockManager(16, 16)
-    blocks.allocate(seq)
-    with torch.inference_mode():
-        input_ids, positions, meta = runner.prepare([seq], prefill=True)
-        runner.attention.plan(meta)
-        model = runner.model
-        logits = model.compute_logits(model.forward(input_ids, positions, runner.attention))
-    out = [int(logits[-1].argmax())]
-    while len(out) < tokens:
-        seq.append(out[-1])
-        blocks.append_slot(seq)
-        out.append(int(runner.run([seq], prefill=False)[0].argmax()))
-    return logits, out
+def ranked_answer(package: Package, shard: Shard, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """One rank's logits and 16 greedy tokens (all ranks' steps run together)."""
+    return greedy_answer(cpu_runner(*package, shard), ids, 16)
 
 
 def names(manifest: Manifest) -> set[str]:
@@ -161,8 +126,8 @@ def test_the_two_layouts_are_what_each_recipe_version_says(
 
 def test_an_unfused_package_answers_as_the_fused_one(qwen2: tuple[Package, Package]) -> None:
     ids = prompt()
-    fused_logits, fused_tokens = answer(runner(qwen2[0]), ids)
-    unfused_logits, unfused_tokens = answer(runner(qwen2[1]), ids)
+    fused_logits, fused_tokens = greedy_answer(cpu_runner(*qwen2[0]), ids, 16)
+    unfused_logits, unfused_tokens = greedy_answer(cpu_runner(*qwen2[1]), ids, 16)
     assert torch.equal(fused_logits, unfused_logits)
     assert fused_tokens == unfused_tokens
 
@@ -174,7 +139,7 @@ def test_an_unfused_two_rank_package_answers_as_the_fused_one(
     for package in llama_tp2:
         assert len({p.digest for p in package[0].payloads if len(p.ranks) == 1}) >= 2
     results = [
-        in_threads(2, lambda rank, group, p=package: answer(runner(p, Shard(rank, 2, group)), ids))
+        in_threads(2, lambda rank, group, p=package: ranked_answer(p, Shard(rank, 2, group), ids))
         for package in llama_tp2
     ]
     (fused, _), (unfused, _) = results
@@ -232,13 +197,13 @@ def test_a_llama_with_attention_and_mlp_biases_answers_as_transformers(tmp_path:
         fused[ranks], _ = build_both(checkpoint, tmp_path / f"r{ranks}", ranks)
     assert "model.layers.0.mlp.gate_up_proj.bias" in names(fused[1][0])
     ids = prompt()
-    logits, tokens = answer(runner(fused[1]), ids)
+    logits, tokens = greedy_answer(cpu_runner(*fused[1]), ids, 16)
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     with torch.inference_mode():
         expected = reference(torch.tensor([ids])).logits[0]
     assert (logits - expected).abs().max().item() <= 1e-4
-    parts = in_threads(2, lambda rank, group: answer(runner(fused[2], Shard(rank, 2, group)), ids))
+    parts = in_threads(2, lambda rank, group: ranked_answer(fused[2], Shard(rank, 2, group), ids))
     for part_logits, part_tokens in parts:
         assert (part_logits - logits).abs().max().item() <= 1e-4 and part_tokens == tokens

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cpu_runner, greedy_answer
 from multirank_serving import (
     RANKS,
     TIMEOUT,
@@ -25,10 +26,8 @@ from multirank_serving import (
     package,
 )
 
-from flare.serve.engine.attention import TorchPagedAttention
-from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.runner import ModelRunner
-from flare.serve.engine.sequence import SamplingParams, Sequence
+from flare.serve.engine.sequence import SamplingParams
 from flare.serve.models import load_model
 from flare.serve.models.files import PackageFiles
 from flare.serve.models.shard import Shard
@@ -49,28 +48,7 @@ def prompt(length: int = 64) -> list[int]:
 
 
 def rank_runner(manifest, files, rank: int, group) -> ModelRunner:  # type: ignore[no-untyped-def]
-    shard = Shard(rank, manifest.ranks, group)
-    model = load_model(PackageFiles(manifest, files), CPU, torch.float32, shard)
-    attention = TorchPagedAttention(model.attention_spec, 16 * 16, torch.float32, CPU)
-    return ModelRunner(model, attention, 16, CPU)
-
-
-def greedy(runner: ModelRunner, ids: list[int], tokens: int) -> tuple[torch.Tensor, list[int]]:
-    """The prompt's logits at every position, and `tokens` greedy tokens after it."""
-    seq = Sequence(ids, GREEDY, max_tokens=tokens)
-    blocks = BlockManager(16, 16)
-    blocks.allocate(seq)
-    with torch.inference_mode():
-        input_ids, positions, meta = runner.prepare([seq], prefill=True)
-        runner.attention.plan(meta)
-        model = runner.model
-        logits = model.compute_logits(model.forward(input_ids, positions, runner.attention))
-    out = [int(logits[-1].argmax())]
-    while len(out) < tokens:
-        seq.append(out[-1])
-        blocks.append_slot(seq)
-        out.append(int(runner.run([seq], prefill=False)[0].argmax()))
-    return logits, out
+    return cpu_runner(manifest, files, Shard(rank, manifest.ranks, group))
 
 
 @pytest.mark.parametrize(("name", "ranks"), CASES)
@@ -82,9 +60,9 @@ def test_the_ranks_parts_give_the_one_rank_logits_and_transformers_tokens(
     assert all(len(p.ranks) in (1, ranks) for p in parts[0].payloads)
     assert parts[0].recipe.fused  # each rank's q, k, v parts in turn, as one qkv_proj
     ids = prompt()
-    expected, _ = greedy(rank_runner(*whole, 0, None), ids, 1)
+    expected, _ = greedy_answer(rank_runner(*whole, 0, None), ids, 1)
     results = in_threads(
-        ranks, lambda rank, group: greedy(rank_runner(*parts, rank, group), ids, 32)
+        ranks, lambda rank, group: greedy_answer(rank_runner(*parts, rank, group), ids, 32)
     )
     from transformers import AutoModelForCausalLM
 

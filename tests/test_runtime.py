@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import make_llama
+from registry_helpers import Quiet
 
-from flare.build.pipeline import Build, BuildRequest, PhaseReport
+from flare.build.pipeline import Build, BuildRequest
 from flare.registry.refs import read_manifest
 from flare.registry.registry import Registry
 from flare.serve.engine.attention import TorchPagedAttention
@@ -41,20 +42,6 @@ ARCHITECTURES = (
     "llama3-tied",
 )
 SENTENCE = "flare builds packages and the registry keeps blobs while servers verify"
-
-
-class Quiet:
-    def phase_started(self, name: str, total: int) -> None:
-        pass
-
-    def advance(self, nbytes: int) -> None:
-        pass
-
-    def phase_finished(self, report: PhaseReport) -> None:
-        pass
-
-    def note(self, message: str) -> None:
-        pass
 
 
 Package = tuple[Manifest, dict[str, Path], Path]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from registry_helpers import Quiet
 
 from flare.build.pipeline import Build, BuildRequest
 from flare.build.tiny import make_tiny_llama
@@ -32,20 +33,6 @@ from flare.store.package import Manifest, Payload
 from flare.store.safetensors import FormatError
 
 CPU = torch.device("cpu")
-
-
-class Quiet:
-    def phase_started(self, name: str, total: int) -> None:
-        pass
-
-    def advance(self, nbytes: int) -> None:
-        pass
-
-    def phase_finished(self, report: object) -> None:
-        pass
-
-    def note(self, message: str) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
