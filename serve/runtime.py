@@ -257,13 +257,10 @@ class GenerateRuntime(Runtime):
             device,
             decisions.variant if decisions else None,
         )
-        graphs = (
-            cuda_graphs
-            and ranks is None
-            and isinstance(attention, FlashInferPagedAttention)
-            and num_blocks > 1
-        )
-        usable = num_blocks - 1 if graphs else num_blocks  # the last block pads graph batches
+        graphs = attention if cuda_graphs and ranks is None and num_blocks > 1 else None
+        if not isinstance(graphs, FlashInferPagedAttention):  # graphs replay its kernels only
+            graphs = None
+        usable = num_blocks - 1 if graphs is not None else num_blocks  # one block pads graphs
         super().__init__(package, min(model.context_length, usable * block))
         options = package.manifest.options
         max_concurrency = int(options.get("max_concurrency", MAX_NUM_SEQS))
@@ -279,15 +276,9 @@ class GenerateRuntime(Runtime):
             runner, self.start_report = _start_forward(
                 model, attention, block, device, prepared, blocks
             )
-            if graphs:
-                assert isinstance(attention, FlashInferPagedAttention)
-                replay = DecodeGraphs(
-                    runner.forward,
-                    attention,
-                    max_concurrency,
-                    max_pages=max_concurrency * -(-self.context_length // block),
-                    pad_block=usable,
-                )
+            if graphs is not None:
+                pages = max_concurrency * -(-self.context_length // block)
+                replay = DecodeGraphs(runner.forward, graphs, max_concurrency, pages, usable)
                 self.start_report.graphs = replay.capture()
                 self.start_report.compilations = compilations.snapshot() - before
                 runner.graphs = replay
