@@ -493,10 +493,13 @@ def _memory_plan(
         backend = runtime.runner.attention
         cache, workspace = backend.cache.nbytes, backend.workspace_bytes
         stats = runtime.kv_stats()
-        tokens = stats["blocks_total"] * stats["block_size"]
+        block = stats["block_size"]
+        tokens = stats["blocks_total"] * block
         assert kv is not None
-        if tokens != kv.tokens:
-            kv = KvSizing(tokens, f"{kv.how}, in whole {stats['block_size']}-token blocks")
+        if graphs is not None:  # the cache holds one block more, for the graphs' padding rows
+            kv = KvSizing(tokens, f"{kv.how}, less one {block}-token block for CUDA graphs")
+        elif tokens != kv.tokens:
+            kv = KvSizing(tokens, f"{kv.how}, in whole {block}-token blocks")
     free, total = device_memory(device.type)
     return MemoryPlan(
         device=device.type,

@@ -48,7 +48,8 @@ def test_graph_decode_gives_the_tokens_of_the_kernel_by_kernel_decode(tmp_path: 
     """A tiny Llama (heads of 64, which FlashInfer takes) in bfloat16: five requests decoded
     together under CUDA graphs (batches of 5, 4, ... padded to 8, 4, 2, 1) give exactly the
     tokens of the same requests without graphs; the capture is in the start report and the
-    memory plan, and nothing compiles after ready."""
+    memory plan (its memory, and the KV block its padding rows take), and nothing compiles
+    after ready."""
     source = make_tiny_llama(tmp_path / "tiny", hidden=512, layers=2)
     manifest, files, _ = build_package(source, tmp_path, "tiny")
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 40, 2, 33)]
@@ -66,6 +67,7 @@ def test_graph_decode_gives_the_tokens_of_the_kernel_by_kernel_decode(tmp_path: 
             report, plan = runtime.start_report.graphs, runtime.memory_plan
             assert (report is not None) == graphs
             assert plan is not None and (plan.graphs > 0) == graphs
+            assert plan.kv is not None and ("block for CUDA graphs" in plan.kv.how) == graphs
             assert runtime.compilations_since_ready().total == 0
         finally:
             runtime.stop()
