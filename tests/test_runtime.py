@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from flare.serve.engine.sequence import Sequence
 from flare.serve.models import load_model
 from flare.serve.models.files import PackageFiles
 from flare.serve.runtime import (
+    Delta,
     GenerateRuntime,
     RequestHandle,
     Runtime,
@@ -346,6 +348,29 @@ def test_async_streaming(llama: GenerateRuntime) -> None:
         return [t async for d in llama.submit(prompt, greedy(10)).stream() for t in d.token_ids]
 
     assert asyncio.run(stream()) == generate(llama, prompt, max_tokens=10)
+
+
+def test_a_reader_that_fell_behind_gets_what_waited_as_one_delta(llama: GenerateRuntime) -> None:
+    """While an async reader's loop is busy, the engine goes on; the reader then gets every
+    token that waited in one delta (text, tokens, logprobs in order, the finish reason),
+    not one event per token to catch up through."""
+    prompt = varied_prompts(llama, 2)[1]
+    whole = collect(llama.submit(prompt, greedy(12, logprobs=1)))
+
+    async def lagging() -> list[Delta]:
+        finished = llama.stats()["requests_finished"]
+        deltas = llama.submit(prompt, greedy(12, logprobs=1)).stream()
+        first = await anext(deltas)
+        while llama.stats()["requests_finished"] == finished:  # the loop blocked meanwhile
+            time.sleep(0.01)
+        return [first] + [d async for d in deltas]
+
+    deltas = asyncio.run(lagging())
+    assert len(deltas) == 2
+    first, rest = deltas
+    assert rest.finish_reason == "length" and len(first.token_ids) == 1
+    assert (first.text + rest.text, first.token_ids + rest.token_ids) == whole[:2]
+    assert rest.logprobs is not None and len(rest.logprobs) == 11
 
 
 def test_text_streams_whole_characters(llama: GenerateRuntime) -> None:

@@ -30,6 +30,18 @@ class Delta:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
 
+    @staticmethod
+    def joined(deltas: list[Delta]) -> Delta:
+        """Consecutive deltas of one request as one: their text, tokens and logprobs in
+        order, the last one's finish reason."""
+        logprobs = [lp for d in deltas for lp in d.logprobs or []]
+        return Delta(
+            "".join(d.text for d in deltas),
+            [t for d in deltas for t in d.token_ids],
+            logprobs if any(d.logprobs is not None for d in deltas) else None,
+            deltas[-1].finish_reason,
+        )
+
 
 class RequestFailed(RuntimeError):
     """The engine ended this request with an error of its own (or of its batch's forward);
@@ -103,6 +115,8 @@ class RequestHandle:
         self._queue: queue.SimpleQueue[Delta | BaseException] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._async_queue: asyncio.Queue[Delta | BaseException] | None = None
+        self._handed: list[Delta | BaseException] = []
+        """Pushed for the loop, not yet moved to its queue (one wake-up moves them all)."""
         self.finished = False
 
     def cancel(self) -> None:
@@ -111,27 +125,53 @@ class RequestHandle:
             self._cancel()
 
     def push(self, item: Delta | BaseException) -> None:
-        """Called by the engine thread."""
+        """Called by the engine thread. An async reader's loop is woken once for whatever
+        was pushed before it ran (not once a token: a wake-up is a system call and a loop
+        turn, which 64 streams would pay 64 times a step)."""
         with self._lock:
             if self._loop is None:
                 self._queue.put(item)
                 return
-            try:
-                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, item)  # type: ignore[union-attr]
-            except RuntimeError:  # the consumer's loop closed: nobody is listening any more
-                self._cancel()
+            self._handed.append(item)
+            if len(self._handed) > 1:  # a wake-up is on its way and will take this too
+                return
+            loop = self._loop
+        try:
+            loop.call_soon_threadsafe(self._move_handed)
+        except RuntimeError:  # the consumer's loop closed: nobody is listening any more
+            self._cancel()
+
+    def _move_handed(self) -> None:
+        """On the reader's loop: what the engine pushed, into the queue the reader awaits."""
+        with self._lock:
+            handed, self._handed = self._handed, []
+        assert self._async_queue is not None
+        for item in handed:
+            self._async_queue.put_nowait(item)
 
     def __iter__(self) -> Iterator[Delta]:
         while not self.finished:
             yield self._unwrap(self._queue.get())
 
     async def stream(self) -> AsyncIterator[Delta]:
-        """Deltas without blocking the event loop; leaving early cancels the request."""
+        """Deltas without blocking the event loop; leaving early cancels the request. Deltas
+        that arrived while the reader was busy come joined as one, so a reader that fell
+        behind (64 streams on one loop) catches up in one event, not one per token."""
         self._bind(asyncio.get_running_loop())
-        assert self._async_queue is not None
+        queued = self._async_queue
+        assert queued is not None
         try:
             while not self.finished:
-                yield self._unwrap(await self._async_queue.get())
+                item = await queued.get()
+                waiting: list[Delta] = []
+                while isinstance(item, Delta) and item.finish_reason is None and not queued.empty():
+                    waiting.append(item)
+                    item = queued.get_nowait()
+                if waiting and isinstance(item, Delta):
+                    item = Delta.joined([*waiting, item])
+                elif waiting:  # deltas, then the request's failure: the text first
+                    yield Delta.joined(waiting)
+                yield self._unwrap(item)
         finally:
             if not self.finished:
                 self.cancel()
