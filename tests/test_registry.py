@@ -10,6 +10,7 @@ import pytest
 from registry_helpers import BACKENDS, build_into, database, tiny_sources
 from sqlalchemy import inspect, text
 
+from flare.build.recipes.llama import LlamaRecipe
 from flare.errors import AmbiguousError, IntegrityError, InvalidInputError, NotFoundError
 from flare.registry import refs
 from flare.registry.database import UnusableIndexError
@@ -66,7 +67,8 @@ def test_ls_shows_what_users_ask_about(registry: Registry, sources: Path, tmp_pa
     made = fill(registry, sources, tmp_path)
     rows = {(r.name, r.digest): r for r in registry.listings()}
     a = rows[("alpha", str(made["a"]))]
-    assert a.tags == ["latest", "v1"] and a.recipe == "llama/1" and a.ranks == 1
+    assert a.tags == ["latest", "v1"] and a.ranks == 1
+    assert a.recipe == f"llama/{LlamaRecipe.version}"
     assert a.model == "alpha" and a.size > a.unique_size > 0 and not a.pinned
     assert a.created and a.publisher is None
     assert {r.name for r in registry.listings(name="beta")} == {"beta"}
