@@ -41,7 +41,7 @@ class AttentionMetadata:
     `query_lens[i]` positions); `context_lens[i]` counts all its tokens including them;
     `slot_mapping[t]` is where token t's KV goes (block * block_size + offset);
     `block_tables[i]` lists sequence i's blocks, padded with -1. The `_cpu` lists are the same
-    values on the host, for planning without a device round trip.
+    values on the host (the tables unpadded), for planning without a device round trip.
     """
 
     slot_mapping: torch.Tensor

@@ -71,7 +71,8 @@ class DecodeReplay(Protocol):
 class StepInput:
     """One step's batch as plain lists: what rank zero sends the other tensor-parallel ranks
     (as JSON), each of which makes the same tensors from it and runs its part of the forward.
-    `tables` are the sequences' block tables, padded with -1."""
+    `tables` are the sequences' block tables as they are (padded only where a tensor needs
+    a rectangle: a CUDA-graph decode step never pads them)."""
 
     ids: list[int]
     positions: list[int]
@@ -140,8 +141,7 @@ class ModelRunner:
             positions += range(start, len(seq))
             slots += (self._slot(seq, p) for p in range(start, len(seq)))
             query_lens.append(len(seq) - start)
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
+        tables = [list(seq.block_table) for seq in seqs]
         context_lens = [len(seq) for seq in seqs]
         return StepInput(ids, positions, slots, query_lens, context_lens, tables)
 
@@ -154,11 +154,13 @@ class ModelRunner:
         starts = [0]
         for n in step.query_lens:
             starts.append(starts[-1] + n)
+        width = max(map(len, step.tables))
+        padded = [table + [-1] * (width - len(table)) for table in step.tables]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(step.slots),
             query_start_loc=self._tensor(starts),
             context_lens=self._tensor(step.context_lens),
-            block_tables=self._tensor(step.tables),
+            block_tables=self._tensor(padded),
             block_size=self.block_size,
             query_lens_cpu=step.query_lens,
             context_lens_cpu=step.context_lens,
