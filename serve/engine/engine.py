@@ -221,8 +221,10 @@ class Engine:
 
     def _ends(self, seq: Sequence, token: int) -> bool:
         """Whether the token alone ends its sequence: end of sequence, or max_tokens."""
-        eos = token in self.eos_token_ids and not seq.params.ignore_eos
-        return eos or seq.num_output_tokens >= seq.max_tokens
+        return self._is_eos(seq, token) or seq.num_output_tokens >= seq.max_tokens
+
+    def _is_eos(self, seq: Sequence, token: int) -> bool:
+        return token in self.eos_token_ids and not seq.params.ignore_eos
 
     def _deliver(self, request: _Request, token: int, logprob: TokenLogprob | None) -> None:
         """Detokenize and emit a landed token, unless its request left the engine meanwhile
@@ -237,7 +239,7 @@ class Engine:
     def _advance(self, request: _Request, token: int, logprob: TokenLogprob | None) -> None:
         """Decide whether the request is done with its appended token, emit a delta."""
         seq = request.seq
-        eos = token in self.eos_token_ids and not seq.params.ignore_eos
+        eos = self._is_eos(seq, token)
         text, stopped = ("", False) if eos else request.text.push(token)
         reason = None
         if eos or stopped:
