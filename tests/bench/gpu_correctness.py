@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -51,10 +50,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_package import require
+from gpu_package import publish, require
 from gpu_serving import SHAPES, make_checkpoint
 from lockstep import Lockstep
-from runtime_package import GRAPHS_SWITCH, build, load, paths, scratch_home
+from runtime_package import PATHS, build, load, scratch_home
 
 from flare.serve.engine.sequence import Sequence
 from flare.serve.runtime import GenerateRuntime, Runtime, SamplingParams
@@ -340,7 +339,7 @@ def shape_checks(
     prompts = [random_ids(shape["vocab"], GREEDY_PROMPT, 10 + i) for i in range(GREEDY_PROMPTS)]
     continuations = refs.continuations(prompts, GREEDY_TOKENS)
     refs.close()
-    for path, options in paths():
+    for path, options in PATHS:
         out[path] = guarded(path_checks, name, args.device, options, logits_ref, continuations)
         free_memory()
     return out
@@ -388,7 +387,7 @@ def suite_arch(args: argparse.Namespace, env: dict[str, str], folder: Path, name
     build(env, folder, name, args.suite_target)
     out: dict[str, Any] = {}
     continuations = None
-    for path, options in paths():
+    for path, options in PATHS:
         runtime = load(name, args.device, kv_cache_tokens=KV_CACHE_TOKENS, **options)
         assert isinstance(runtime, GenerateRuntime)
         if continuations is None:
@@ -454,8 +453,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "cuda_graphs_switch": GRAPHS_SWITCH,
-        "paths": [name for name, _ in paths()],
+        "paths": [name for name, _ in PATHS],
         "shapes": args.shapes,
         "target": args.target,
     }
@@ -473,11 +471,7 @@ def main() -> int:
     found = verdicts(report)
     report["passed"] = sorted(k for k, ok in found.items() if ok)
     report["failed"] = sorted(k for k, ok in found.items() if not ok)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_correctness.json").write_text(text)
+    publish(report, args.out, "gpu_correctness.json")
     return 0
 
 

@@ -70,6 +70,16 @@ def make_checkpoint(folder: Path, hidden: int, layers: int) -> Path:
     return folder
 
 
+def publish(report: Any, out: Path | None, name: str) -> None:
+    """A GPU script's report: printed as JSON, and written to `out/name` when asked (the
+    device call's $OUT, whose files come back)."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+
+
 def require(*modules: str) -> None:
     """Raise, saying how to install them, when references a script compares against are not
     installed (transformers, sentence-transformers: the test extra has them)."""
@@ -209,11 +219,7 @@ def main() -> int:
     report["compile_on_start"] = serve_and_load(env, "l1b", (16,), "--compile-on-start")
     flare(env, "build", str(source), "--name", "l1b-eager", "--target", "none", "--json")
     report["eager"] = serve_and_load(env, "l1b-eager", (16,))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_package.json").write_text(text)
+    publish(report, args.out, "gpu_package.json")
     return 0
 
 

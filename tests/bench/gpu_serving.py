@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_package import flare, require, start_server
+from gpu_package import flare, publish, require, start_server
 
 HBM_BYTES_PER_S = 4.8e12
 FIELDS = ("hidden", "layers", "heads", "kv_heads", "inter", "vocab")
@@ -358,11 +358,7 @@ def main() -> int:
     require("transformers")
     work = Path(tempfile.mkdtemp(prefix="flare-gpu-serving-"))
     reports = [measure(name, args, work) for name in args.shapes.split(",")]
-    text = json.dumps(reports, indent=2)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_serving.json").write_text(text)
+    publish(reports, args.out, "gpu_serving.json")
     return 0
 
 

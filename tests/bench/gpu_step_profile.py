@@ -26,7 +26,6 @@ one JSON report (stdout, and under --out).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -34,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_package import publish
 from gpu_serving import SHAPES, make_checkpoint
-from runtime_package import GRAPHS_SWITCH, build, load, paths, scratch_home
+from runtime_package import PATHS, build, load, scratch_home
 
 from flare.serve.runtime import GenerateRuntime, SamplingParams
 
@@ -165,7 +165,7 @@ def measure(args: argparse.Namespace, name: str, env: dict[str, str], work: Path
         "build_phases": build(env, folder, name, args.target, *width),
         "paths": {},
     }
-    for path, options in paths():
+    for path, options in PATHS:
         runtime = load(name, args.device, kv_cache_tokens=KV_CACHE_TOKENS, **options)
         assert isinstance(runtime, GenerateRuntime)
         report["paths"][path] = {
@@ -190,16 +190,13 @@ def main() -> int:
     summary = {
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
-        "cuda_graphs_switch": GRAPHS_SWITCH,
         "target": args.target,
         "shapes": reports,
     }
-    text, rows = json.dumps(summary, indent=2), table(reports)
+    rows = table(reports)
     print(rows, file=sys.stderr)
-    print(text)
+    publish(summary, args.out, "gpu_step_profile.json")
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_step_profile.json").write_text(text)
         (args.out / "gpu_step_profile.md").write_text(rows + "\n")
     return 0
 

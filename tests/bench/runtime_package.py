@@ -4,14 +4,12 @@ engine and runner at hand rather than its HTTP API.
 
 The scripts run in a flare home of their own (FLARE_HOME under their work folder; a
 FLARE_KERNEL_CACHE set outside is kept, so several scripts in one device call share what tune
-and compile made for the same shapes). The CUDA-graph/eager choice is one keyword of
-`load_runtime`, passed only where this flare has it (`cuda_graphs`, with CUDA-graph decode);
-before that, every runtime is eager and `paths()` names that one path.
+and compile made for the same shapes). Each script runs both decode paths, `PATHS`: the
+CUDA-graph/eager choice is `load_runtime`'s `cuda_graphs` keyword.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import tempfile
@@ -24,17 +22,13 @@ from gpu_package import flare
 
 from flare.serve.runtime import Runtime, load_runtime
 
-GRAPHS_SWITCH = "cuda_graphs" in inspect.signature(load_runtime).parameters
-"""Whether this flare's `load_runtime` takes the graph/eager choice."""
-
-
-def paths() -> list[tuple[str, dict[str, Any]]]:
-    """The decode paths to run, by name, each with its `load_runtime` keywords. "eager" is
-    decode without CUDA graphs: its forward is still the package's compiled one where the
-    package has one (the runtime's `start_report` says which)."""
-    if GRAPHS_SWITCH:
-        return [("cuda_graphs", {"cuda_graphs": True}), ("eager", {"cuda_graphs": False})]
-    return [("eager", {})]
+PATHS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("cuda_graphs", {"cuda_graphs": True}),
+    ("eager", {"cuda_graphs": False}),
+)
+"""The decode paths to run, by name, each with its `load_runtime` keywords. "eager" is decode
+without CUDA graphs: its forward is still the package's compiled one where the package has one
+(the runtime's `start_report` says which); on a CPU both paths run the same steps."""
 
 
 @contextmanager
