@@ -25,7 +25,7 @@ import torch
 
 from flare.rendezvous import RankError, Rendezvous
 from flare.serve.engine.attention import AttentionBackend
-from flare.serve.engine.runner import CausalLM, ModelRunner, StepInput
+from flare.serve.engine.runner import CausalLM, FreshRows, ModelRunner, StepInput
 from flare.serve.models.shard import Shard
 
 
@@ -99,7 +99,12 @@ class LeaderRunner(ModelRunner):
         """Once every rank waits in its loop (a tick sent earlier would wait for it)."""
         self._ticker.start()
 
-    def run_step(self, step: StepInput) -> torch.Tensor:
+    reads_fresh_tokens = False
+    """The other ranks are sent each step's token ids: every one is read on the host first."""
+
+    def run_step(self, step: StepInput, fresh: FreshRows | None = None) -> torch.Tensor:
+        if fresh is not None:
+            raise RuntimeError("tensor-parallel ranks are sent token ids, not device tokens")
         with self._lock:
             try:
                 self.group.send({"op": "step", **step.to_json()})

@@ -13,7 +13,7 @@ from test_runtime import build_package
 from flare.build.tiny import make_tiny_llama
 from flare.serve.engine.cuda_graphs import padded_to
 from flare.serve.engine.flashinfer_attention import page_table
-from flare.serve.engine.runner import StepInput
+from flare.serve.engine.runner import FreshRows, StepInput
 from flare.serve.runtime import GenerateRuntime, SamplingParams, load_runtime
 
 GPU = torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
@@ -48,8 +48,10 @@ def test_graph_decode_gives_the_logits_of_the_kernel_by_kernel_decode(tmp_path: 
     """A tiny Llama (heads of 64, which FlashInfer takes) in bfloat16, five requests of
     different lengths decoding together: every decode step, run from its graph (batches of
     5, 4, 3, 2, 1 padded to 8, 4, 4, 2, 1) and again kernel by kernel, gives the same logits
-    within bfloat16's rounding; the capture is in the start report and the memory plan (its
-    memory, and the KV block its padding rows take)."""
+    within bfloat16's rounding, and the tokens are those of steps that land before the next
+    is launched (the input tokens read from the device, or sent from the host); the capture
+    is in the start report and the memory plan (its memory, and the KV block its padding rows
+    take)."""
     source = make_tiny_llama(tmp_path / "tiny", hidden=512, layers=2)
     manifest, files, _ = build_package(source, tmp_path, "tiny")
     runtime = load_runtime(manifest, files, "cuda", kv_cache_tokens=4096)
@@ -61,13 +63,13 @@ def test_graph_decode_gives_the_logits_of_the_kernel_by_kernel_decode(tmp_path: 
     runner, compared = runtime.runner, []
     run_step = runner.run_step
 
-    def both(step: StepInput) -> torch.Tensor:
-        graphed = run_step(step).clone()
+    def both(step: StepInput, fresh: FreshRows | None = None) -> torch.Tensor:
+        graphed = run_step(step, fresh).clone()
         replay = runner.graphs
         if replay is not None and replay.fits(step):
             runner.graphs = None
             try:
-                plain = run_step(step)
+                plain = run_step(step, fresh)
             finally:
                 runner.graphs = replay
             compared.append((len(step.ids), float((graphed - plain).abs().max())))
@@ -80,8 +82,12 @@ def test_graph_decode_gives_the_logits_of_the_kernel_by_kernel_decode(tmp_path: 
             SamplingParams(temperature=0, ignore_eos=True, max_tokens=4 + 3 * i) for i in range(5)
         ]
         prompts = [list(range(3, 3 + n)) for n in (5, 17, 40, 2, 33)]
-        handles = [runtime.submit(p, g) for p, g in zip(prompts, greedy, strict=True)]
-        assert [sum(len(d.token_ids) for d in h) for h in handles] == [4, 7, 10, 13, 16]
+        ahead = [runtime.submit(p, g) for p, g in zip(prompts, greedy, strict=True)]
+        tokens = [[t for d in h for t in d.token_ids] for h in ahead]
+        assert [len(t) for t in tokens] == [4, 7, 10, 13, 16]
+        runtime.engine.overlap = False  # each step lands before the next is launched
+        landed_first = [runtime.submit(p, g) for p, g in zip(prompts, greedy, strict=True)]
+        assert [[t for d in h for t in d.token_ids] for h in landed_first] == tokens
     finally:
         runtime.stop()
     assert {rows for rows, _ in compared} >= {5, 3, 1}

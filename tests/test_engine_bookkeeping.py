@@ -111,6 +111,23 @@ def test_can_allocate_counts_only_the_blocks_a_sequence_does_not_share() -> None
     assert not blocks.can_allocate(seq(range(100, 109)))  # shares none, needs three
 
 
+def test_a_pending_token_names_its_full_block_only_once_its_value_is_known() -> None:
+    """A block that a pending token fills is named when the token resolves, from its value,
+    so a later prompt with those tokens finds it; never from the placeholder."""
+    m = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(1, 4))
+    m.allocate(a)
+    a.append_pending()
+    m.append_slot(a)
+    assert m.stats()["blocks_cached"] == 0
+    a.resolve(4)
+    m.name_newest(a)
+    assert m.stats()["blocks_cached"] == 1
+    b = seq([1, 2, 3, 4, 5])
+    m.allocate(b)
+    assert b.block_table[0] == a.block_table[0] and b.num_cached_tokens == 4
+
+
 def test_a_failed_step_unnames_its_blocks_so_no_later_request_reuses_them() -> None:
     blocks = BlockManager(num_blocks=8, block_size=BLOCK)
     a = seq(range(9))

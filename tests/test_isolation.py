@@ -31,8 +31,8 @@ from test_runtime import Package, build_package
 
 from flare.serve.api import ServedPackage, create_app
 from flare.serve.engine.block_manager import BlockManager
-from flare.serve.engine.runner import ModelRunner
-from flare.serve.engine.sampler import Picked, Sampler
+from flare.serve.engine.runner import FreshTokens, ModelRunner
+from flare.serve.engine.sampler import Picked, Sampled, Sampler
 from flare.serve.engine.sequence import Sequence
 from flare.serve.runtime import (
     GenerateRuntime,
@@ -68,12 +68,27 @@ class FaultySampler(Sampler):
     def __init__(self) -> None:
         self.rows_at_fault: list[int] = []
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Picked | Exception]:
-        results = super().sample(logits, seqs)
-        for row, seq in enumerate(seqs):
-            if seq.params.seed == FAIL_SAMPLING_SEED and seq.num_output_tokens == 2:
-                self.rows_at_fault.append(len(seqs))
-                results[row] = RuntimeError("injected sampling fault")
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+        rows = [
+            row
+            for row, seq in enumerate(seqs)
+            if seq.params.seed == FAIL_SAMPLING_SEED and seq.num_output_tokens == 2
+        ]
+        if rows:
+            self.rows_at_fault.append(len(seqs))
+        return FaultySampled(super().launch(logits, seqs), rows)
+
+
+class FaultySampled:
+    """A step's real sampling whose marked rows read back as failed."""
+
+    def __init__(self, sampled: Sampled, rows: list[int]) -> None:
+        self.tokens, self._sampled, self._rows = sampled.tokens, sampled, rows
+
+    def read(self) -> list[Picked | Exception]:
+        results = self._sampled.read()
+        for row in self._rows:
+            results[row] = RuntimeError("injected sampling fault")
         return results
 
 
@@ -87,10 +102,12 @@ class FaultyRunner(ModelRunner):
         super().__init__(*args)
         self.rows_at_fault: list[int] = []
 
-    def run(self, seqs: list[Sequence], prefill: bool) -> torch.Tensor:
+    def run(
+        self, seqs: list[Sequence], prefill: bool, fresh: FreshTokens | None = None
+    ) -> torch.Tensor:
         if prefill and any(seq.params.seed == FAIL_FORWARD_SEED for seq in seqs):
             raise RuntimeError("injected forward fault")
-        logits = super().run(seqs, prefill)
+        logits = super().run(seqs, prefill, fresh)
         for row, seq in enumerate(seqs):
             if seq.params.seed == FAIL_LOGITS_SEED and seq.num_output_tokens == 2:
                 self.rows_at_fault.append(len(seqs))

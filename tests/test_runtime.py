@@ -21,7 +21,7 @@ from flare.registry.registry import Registry
 from flare.serve.engine.attention import TorchPagedAttention
 from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.output import REPLACEMENT, TextStream
-from flare.serve.engine.runner import ModelRunner
+from flare.serve.engine.runner import FreshTokens, ModelRunner
 from flare.serve.engine.sequence import Sequence
 from flare.serve.models import load_model
 from flare.serve.models.files import PackageFiles
@@ -294,32 +294,82 @@ def test_the_memory_plan_gives_the_kv_cache_the_runtime_allocated(
         assert "KV cache 96 tokens" in plan.describe()
 
 
-def test_the_next_step_is_launched_before_the_landed_tokens_are_streamed(
+def test_the_next_step_is_launched_before_the_step_in_flight_lands(
     llama: GenerateRuntime,
 ) -> None:
-    """The host loop keeps one step ahead: a step's tokens are read, the next step is
-    launched, and only then are the tokens detokenized and streamed (on a GPU, while the next
-    step runs). At each launch, the request has been sent every token but the newest."""
+    """The host loop keeps the device busy: each decode step is launched while the step
+    before is still in flight (the sequence's newest token pending, read on the device), and
+    only after the launch are the landed tokens streamed. At each launch, the request has been
+    sent every token but the one being sampled and the pending one; none is lost or doubled."""
     package = llama.package
     runtime = load_runtime(package.manifest, package.files)  # stepped here, not on its thread
     assert isinstance(runtime, GenerateRuntime)
     engine, delivered, at_launch = runtime.engine, [], []
     run = engine.runner.run
 
-    def launch(seqs: list[Sequence], prefill: bool) -> torch.Tensor:
-        at_launch.append(len(delivered))
-        return run(seqs, prefill)
+    def launch(seqs: list[Sequence], prefill: bool, fresh: FreshTokens | None) -> torch.Tensor:
+        at_launch.append((len(delivered), seqs[0].pending))
+        return run(seqs, prefill, fresh)
 
     engine.runner.run = launch  # type: ignore[method-assign]
-    handle = runtime.submit(varied_prompts(llama, 1)[0], greedy(4))
+    prompt = varied_prompts(llama, 1)[0]
+    handle = runtime.submit(prompt, greedy(4))
     push = handle.push
     handle.push = lambda delta: (delivered.append(delta), push(delta))  # type: ignore[method-assign]
     while len(delivered) < 4:
         engine.step()
-    assert at_launch == [0, 0, 1, 2]
+    assert at_launch == [(0, False), (0, True), (1, True), (2, True)]
     assert [len(d.token_ids) for d in delivered] == [1, 1, 1, 1]
     assert delivered[-1].finish_reason == "length"
     assert runtime.kv_stats()["blocks_used"] == 0
+    alone = collect(llama.submit(prompt, greedy(4)))[1]
+    assert [d.token_ids[0] for d in delivered] == alone
+
+
+def test_launching_ahead_gives_every_request_what_landing_first_gives(
+    llama: GenerateRuntime,
+) -> None:
+    """With the next step launched before the step in flight lands, every request ends with
+    the tokens, text and reason it gets when each step lands before the next is launched:
+    one ended by end of sequence (its extra step dropped), one by a stop string, one by
+    max_tokens, a seeded sampled one, one with logprobs, and two more, in a KV cache small
+    enough that decoding preempts some of them (their pending tokens resolved while they
+    wait)."""
+    prompts = varied_prompts(llama, 7)
+    probe = collect(llama.submit(prompts[0], greedy(8)))
+    stop_text = collect(llama.submit(prompts[1], greedy(12)))[0]
+    eos = probe[1][2]
+    asks = [
+        SamplingParams(temperature=0, max_tokens=8),
+        greedy(12, stop=[stop_text[len(stop_text) // 2 :][:3]]),
+        greedy(5),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=14),
+        greedy(10, logprobs=3),
+        greedy(24),
+        greedy(24),
+    ]
+
+    def serve_all(overlap: bool) -> tuple[list[tuple[str, list[int], str | None]], int]:
+        package = llama.package
+        runtime = load_runtime(package.manifest, package.files, kv_cache_tokens=96)
+        assert isinstance(runtime, GenerateRuntime)
+        runtime.engine.overlap = overlap
+        runtime.engine.eos_token_ids = frozenset({eos})  # request 0 ends at it
+        runtime.start()
+        try:
+            handles = [runtime.submit(p, a) for p, a in zip(prompts, asks, strict=True)]
+            results = [collect(h) for h in handles]
+            assert runtime.kv_stats()["blocks_used"] == 0
+            return results, int(runtime.stats()["preemptions"])
+        finally:
+            runtime.stop()
+
+    ahead, preempted_ahead = serve_all(overlap=True)
+    landed_first, preempted = serve_all(overlap=False)
+    assert ahead == landed_first
+    assert [r[2] for r in ahead][:3] == ["stop", "stop", "length"]
+    assert ahead[0][1] == probe[1][: probe[1].index(eos) + 1]
+    assert preempted_ahead > 0 and preempted > 0
 
 
 def test_seeded_sampling_reproduces(llama: GenerateRuntime) -> None:

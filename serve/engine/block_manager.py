@@ -82,10 +82,20 @@ class BlockManager:
         return not self._needs_block(seq) or len(self.free) > 0
 
     def append_slot(self, seq: Sequence) -> None:
-        """Make room for the newest token's KV; name the last block once it is full."""
+        """Make room for the newest token's KV; name the last block once it is full (once the
+        newest token's value is known: a pending one names it when it resolves)."""
         if self._needs_block(seq):
             seq.block_table.append(self._fresh().id)
-        index = len(seq.block_table) - 1
+        if not seq.pending:
+            self.name_newest(seq)
+
+    def name_newest(self, seq: Sequence) -> None:
+        """Name the block holding the newest token if it is full and handed out: at the
+        newest token's slot, or when a pending token resolves after its slot was handed
+        out (its KV written by a step launched before anything later reads it)."""
+        index = (len(seq) - 1) // self.block_size
+        if index >= len(seq.block_table):
+            return
         previous = self.blocks[seq.block_table[index - 1]].hash if index > 0 else None
         self._name_if_full(self.blocks[seq.block_table[index]], seq, index, previous)
 

@@ -14,7 +14,10 @@ manager never hands out), and their logits are dropped.
 
 Before each replay the host writes the step's inputs and page table into pinned buffers and
 copies them to the device without waiting, then plans FlashInfer's kernels (a host-side
-computation whose results FlashInfer copies into its own buffers, also without waiting).
+computation whose results FlashInfer copies into its own buffers, also without waiting), and
+token ids still pending on the host are copied from where the step before sampled them. The
+engine launches a step while the step before still runs, so the pinned buffers are written
+again only once the copies out of them for the step before have run (an event after them).
 Prefill steps, and decode batches larger than the largest graph, run the forward as before.
 """
 
@@ -32,7 +35,7 @@ from flare.serve.engine.flashinfer_attention import (
     FlashInferPagedAttention,
     page_table,
 )
-from flare.serve.engine.runner import Forward, StepInput
+from flare.serve.engine.runner import Forward, FreshRows, StepInput
 
 
 @dataclass
@@ -73,6 +76,8 @@ class DecodeGraphs:
         with torch.inference_mode():  # made as the forward's own inputs are: no guard differs
             self._allocate(max_pages)
         self._graphs: dict[int, _Graph] = {}
+        self._copied: torch.cuda.Event | None = None
+        """Recorded after the last step's copies out of the pinned buffers."""
 
     def _allocate(self, max_pages: int) -> None:
         """The static buffers every graph reads, on the device, and their pinned host twins."""
@@ -127,19 +132,25 @@ class DecodeGraphs:
         return _Graph(graph, attention, logits)
 
     @torch.inference_mode()
-    def run(self, step: StepInput) -> torch.Tensor:
+    def run(self, step: StepInput, fresh: FreshRows | None = None) -> torch.Tensor:
         """The step's float32 logits [sequences, vocab], from the smallest graph that holds
-        it. The tensor is the graph's output: read it before the next step."""
+        it; pending input tokens are read from `fresh`. The tensor is the graph's output:
+        the next replay of this size overwrites it."""
         rows = len(step.ids)
         size = next(n for n in self.sizes if n >= rows)
         graph = self._graphs[size]
         self._fill(padded_to(step, size, self.pad_block, self.block_size), graph.attention, size)
+        if fresh is not None:
+            fresh.write(self._inputs[0])
         graph.graph.replay()
         return graph.logits[:rows]
 
     def _fill(self, step: StepInput, attention: FlashInferGraphDecode, size: int) -> None:
         """Write the step's inputs and page table where the graph of `size` reads them: into
-        the pinned buffers, then to the device without a sync, then FlashInfer's plan."""
+        the pinned buffers (once the last step's copies out of them have run), then to the
+        device without a sync, then FlashInfer's plan."""
+        if self._copied is not None:
+            self._copied.synchronize()
         host = self._inputs_host.numpy()
         host[0, :size], host[1, :size], host[2, :size] = step.ids, step.positions, step.slots
         for tensor, values in zip(self._inputs, self._inputs_host, strict=True):
@@ -156,6 +167,8 @@ class DecodeGraphs:
             self._indices[: len(indices)],
             self._table_host[1, :size],
         )
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
 
 def padded_to(step: StepInput, size: int, pad_block: int, block_size: int) -> StepInput:

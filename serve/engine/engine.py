@@ -9,9 +9,14 @@ sequence alone; a failed forward, or a failed sampling pass over the whole batch
 error), ends the sequences of its batch alone; either way the failed requests' handles raise
 RequestFailed, their KV blocks are freed, and the engine goes on with every other request.
 
-The loop keeps one step ahead of the host's own work: a step's tokens are read (the one wait
-for the device) and appended, the next step is launched, and only then are the tokens
-detokenized, checked for stop strings and streamed, while the device computes (`step`).
+The loop keeps the device busy while the host works (`step`). Where the runner can take a
+step's input tokens from the device (`ModelRunner.reads_fresh_tokens`: one process, whatever
+its device), the next step is launched before the step in flight has landed: each of its
+sequences counts its coming token as pending, the next step reads those tokens where the
+sampler left them on the device, and only then does the host wait for the tokens, append them
+and stream them, while the device runs the next step. Without it (tensor-parallel ranks, which
+are sent their tokens), a step's tokens are read and appended first, then the next step is
+launched, then the tokens are detokenized and streamed.
 """
 
 from __future__ import annotations
@@ -23,13 +28,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from tokenizers import Tokenizer
 
 from flare.errors import FlareError
 from flare.serve.engine.output import Delta, RequestHandle, TextStream
-from flare.serve.engine.runner import ModelRunner
-from flare.serve.engine.sampler import Sampler
+from flare.serve.engine.runner import FreshTokens, ModelRunner
+from flare.serve.engine.sampler import Sampled, Sampler
 from flare.serve.engine.scheduler import ScheduledBatch, Scheduler
 from flare.serve.engine.sequence import SamplingParams, Sequence, TokenLogprob
 
@@ -50,12 +54,17 @@ class _Request:
 
 @dataclass
 class _Flight:
-    """A step launched and not yet landed: its batch, its logits (on a GPU, still being
+    """A step launched and not yet landed: its batch, its sampling (on a GPU, still being
     computed), when it was launched."""
 
     batch: ScheduledBatch
-    logits: torch.Tensor
+    sampled: Sampled
     started: float
+
+    def fresh(self) -> FreshTokens:
+        """Its tokens where the next step reads them: on the device, by sequence."""
+        rows = {seq.id: row for row, seq in enumerate(self.batch.seqs)}
+        return FreshTokens(self.sampled.tokens, rows)
 
 
 @dataclass
@@ -91,6 +100,9 @@ class Engine:
         self._accepting = True
         self._draining = False
         self._flight: _Flight | None = None
+        self._landed_at = 0.0
+        self.overlap = runner.reads_fresh_tokens
+        """Whether the next step is launched before the step in flight lands."""
 
     # -- other threads --------------------------------------------------------------------
 
@@ -150,46 +162,66 @@ class Engine:
                     self._wake.set()
 
     def step(self) -> None:
-        """One scheduling round, one step ahead: take the inbox; land the step in flight (read
-        its tokens, the one wait for the device, and append them); launch the next step; then
-        detokenize and stream the landed tokens while the device runs it.
+        """One scheduling round: take the inbox; launch the next step and land the one in
+        flight (read its tokens, the one wait for the device), in that order where the runner
+        reads fresh tokens on the device, else the other way round; then detokenize and
+        stream the landed tokens while the device runs the next step.
 
-        The next step is scheduled before the landed tokens' text is checked for stop
-        strings, so a request a stop string ends has had one more step launched; that step's
-        token for it is dropped (the request has left the engine). End of sequence and
-        max_tokens, known from the token alone, end a request before the next step."""
+        A request a stop string ends has had one more step launched (its text is checked
+        after), and with the overlap so has one that end of sequence ends (its token was not
+        known at the launch); that step's token for it is dropped (the request has left the
+        engine). max_tokens, known from the count alone, ends a request before the next step."""
         while not self._inbox.empty():
             self._inbox.get()()
-        landed = self._land()
-        self._flight = self._launch()
+        flight = self._flight
+        if self.overlap and flight is not None:
+            self._count_pending(flight)
+            self._flight = self._launch(flight.fresh())
+            landed = self._land(flight)
+        else:
+            landed = self._land(flight)
+            self._flight = self._launch(None)
         for request, token, logprob in landed:
             self._deliver(request, token, logprob)
 
-    def _launch(self) -> _Flight | None:
-        """Schedule and start the next step's forward (on a GPU it runs on while the host
-        goes on); a forward that fails at once fails its batch alone."""
+    def _count_pending(self, flight: _Flight) -> None:
+        """Before the next step is scheduled: each live sequence of the step in flight counts
+        the token it is sampling as pending, unless that token is its last (max_tokens), in
+        which case it is scheduled no more."""
+        for seq in flight.batch.seqs:
+            if seq.id not in self._requests:
+                continue
+            if seq.num_output_tokens + 1 >= seq.max_tokens:
+                self.scheduler.set_aside(seq)
+            else:
+                seq.append_pending()
+
+    def _launch(self, fresh: FreshTokens | None) -> _Flight | None:
+        """Schedule and start the next step's forward and sampling (on a GPU they run on while
+        the host goes on); a step that fails at once fails its batch alone."""
         batch = self.scheduler.schedule()
         if batch is None:
             return None
         started = time.perf_counter()
         try:
-            logits = self.runner.run(batch.seqs, batch.prefill)
+            logits = self.runner.run(batch.seqs, batch.prefill, fresh)
+            sampled = self.sampler.launch(logits, batch.seqs)
         except Exception as exc:
             self._forward_failed(batch, exc)
             return None
-        return _Flight(batch, logits, started)
+        return _Flight(batch, sampled, started)
 
-    def _land(self) -> list[tuple[_Request, int, TokenLogprob | None]]:
-        """The step in flight's tokens, appended to their sequences: those that end them are
-        emitted now (so their blocks are free for the next step), the others returned to be
-        delivered once the next step is launched. Rows of requests that left the engine
-        while the step ran (cancelled, stopped, failed) are dropped."""
-        flight, self._flight = self._flight, None
+    def _land(self, flight: _Flight | None) -> list[tuple[_Request, int, TokenLogprob | None]]:
+        """The flight's tokens, set in their sequences (a pending token resolved, else
+        appended): those that end them are emitted now (so their blocks are free for the
+        next step), the others returned to be delivered once the next step is launched. Rows
+        of requests that left the engine while the step ran (cancelled, stopped, failed) are
+        dropped."""
         if flight is None:
             return []
         batch = flight.batch
         try:
-            picks = self.sampler.sample(flight.logits, batch.seqs)
+            picks = flight.sampled.read()
         except Exception as exc:  # the forward's own failure surfaces at the first read
             self._forward_failed(batch, exc)
             return []
@@ -202,15 +234,29 @@ class Engine:
                 self._fail(request, picked)
                 continue
             token, logprob = picked
-            seq.append(token)
+            self._set_token(seq, token)
             self.counters.generated_tokens += 1
             if self._ends(seq, token):
                 self._deliver(request, token, logprob)
             else:
                 landed.append((request, token, logprob))
-        self.counters.steps += 1
-        self.counters.busy_seconds += time.perf_counter() - flight.started
+        self._count_step(flight)
         return landed
+
+    def _set_token(self, seq: Sequence, token: int) -> None:
+        if seq.pending:
+            seq.resolve(token)
+            self.scheduler.blocks.name_newest(seq)
+        else:
+            seq.append(token)
+
+    def _count_step(self, flight: _Flight) -> None:
+        """Count the step, and the time the device was busy with it: from its launch, or from
+        the landing of the step before it where the two overlapped."""
+        now = time.perf_counter()
+        self.counters.steps += 1
+        self.counters.busy_seconds += now - max(flight.started, self._landed_at)
+        self._landed_at = now
 
     def _forward_failed(self, batch: ScheduledBatch, exc: Exception) -> None:
         if isinstance(exc, FlareError):  # said in one line (a lost tensor-parallel rank)

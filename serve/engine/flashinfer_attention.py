@@ -60,11 +60,19 @@ class FlashInferPagedAttention:
         )
         self._meta: AttentionMetadata | None = None
         self._wrapper: Any = None
+        self._planned: torch.cuda.Event | None = None
+        """Recorded after the last plan's copies to the device."""
 
     def plan(self, meta: AttentionMetadata) -> None:
         """The step's page table (each sequence's blocks up to its context), built from the
         host copies (FlashInfer plans on the host: device tensors would be copied back, a
-        sync per step), then the kernel plan of the decode or the prefill wrapper."""
+        sync per step), then the kernel plan of the decode or the prefill wrapper.
+
+        A plan writes the wrapper's pinned buffer and copies it to the device without
+        waiting; the engine plans a step while the step before may not have started, so a
+        plan first waits for the last plan's copies to have run."""
+        if self._planned is not None:
+            self._planned.synchronize()
         self._meta = meta
         pages, indices, last = page_table(
             meta.context_lens_cpu, meta.block_tables_cpu, self.block_size
@@ -77,6 +85,8 @@ class FlashInferPagedAttention:
             self._wrapper = self._prefill
             qo_indptr = _offsets(meta.query_lens_cpu)
             self._prefill.plan(qo_indptr, *kv, *self.plan_shape(), causal=True, **self.plan_kinds())
+        self._planned = torch.cuda.Event()
+        self._planned.record()
 
     def plan_shape(self) -> tuple[int, int, int, int]:
         """Query heads, KV heads, head size, page size: what every plan takes."""

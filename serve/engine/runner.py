@@ -9,6 +9,7 @@ import torch
 
 from flare.serve.engine.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from flare.serve.engine.sequence import Sequence
+from flare.serve.engine.uploads import upload
 
 
 class CausalLM(Protocol):
@@ -57,13 +58,57 @@ class EagerForward:
         return self.model.compute_logits(hidden[last]).float()
 
 
+@dataclass(frozen=True)
+class FreshTokens:
+    """The tokens the step before sampled, still on the device: the engine launches a step
+    before the one before it lands, so a sequence's newest token may be pending on the host
+    (`Sequence.pending`) and is read here instead."""
+
+    tokens: torch.Tensor
+    """long [rows of the step before], on the model's device."""
+    rows: dict[int, int]
+    """Sequence id → its row in `tokens`."""
+
+
+@dataclass(frozen=True)
+class FreshRows:
+    """Where a decode step's pending input tokens come from: row `rows[i]` of the step's
+    input ids is row `sources[i]` of `tokens`."""
+
+    tokens: torch.Tensor
+    rows: list[int]
+    sources: list[int]
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], fresh: FreshTokens | None) -> FreshRows | None:
+        """The step's pending rows, None if it has none (a prefill never has)."""
+        rows = [row for row, seq in enumerate(seqs) if seq.pending]
+        if not rows:
+            return None
+        if fresh is None:
+            raise RuntimeError("a pending token was scheduled without the step that samples it")
+        sources = [fresh.rows[seqs[row].id] for row in rows]
+        return cls(fresh.tokens, rows, sources)
+
+    def write(self, input_ids: torch.Tensor) -> None:
+        """Put the tokens into `input_ids` on the device, without waiting for it: one copy
+        where the rows are the leading rows of both, in order (a batch decoding as before)."""
+        n = len(self.rows)
+        if self.rows == self.sources == list(range(n)):
+            input_ids[:n].copy_(self.tokens[:n])
+            return
+        device = input_ids.device
+        rows, sources = (upload(values, torch.long, device) for values in (self.rows, self.sources))
+        input_ids.index_copy_(0, rows, self.tokens.index_select(0, sources))
+
+
 class DecodeReplay(Protocol):
     """Decode steps replayed from captured CUDA graphs (cuda_graphs.py)."""
 
     def fits(self, step: StepInput) -> bool:
         """Whether a captured graph can run this step."""
 
-    def run(self, step: StepInput) -> torch.Tensor:
+    def run(self, step: StepInput, fresh: FreshRows | None) -> torch.Tensor:
         """The step's float32 logits [sequences, vocab]."""
 
 
@@ -92,6 +137,10 @@ class StepInput:
 class ModelRunner:
     """Owns the model and its attention backend; one `run` per engine step."""
 
+    reads_fresh_tokens = True
+    """Whether a step may take pending tokens from the step before on the device (one
+    process does; tensor-parallel ranks are sent their token ids)."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -108,16 +157,21 @@ class ModelRunner:
         self.graphs: DecodeReplay | None = None
         """Set once decode graphs are captured; the steps they fit replay them."""
 
-    def run(self, seqs: list[Sequence], prefill: bool) -> torch.Tensor:
-        """Float32 logits [len(seqs), vocab] at each sequence's last position."""
-        return self.run_step(self.step_input(seqs, prefill))
+    def run(
+        self, seqs: list[Sequence], prefill: bool, fresh: FreshTokens | None = None
+    ) -> torch.Tensor:
+        """Float32 logits [len(seqs), vocab] at each sequence's last position; a pending
+        newest token is read from `fresh`."""
+        return self.run_step(self.step_input(seqs, prefill), FreshRows.of(seqs, fresh))
 
     @torch.inference_mode()
-    def run_step(self, step: StepInput) -> torch.Tensor:
+    def run_step(self, step: StepInput, fresh: FreshRows | None = None) -> torch.Tensor:
         """The forward of one step's batch, however it was scheduled."""
         if self.graphs is not None and self.graphs.fits(step):
-            return self.graphs.run(step)
+            return self.graphs.run(step, fresh)
         input_ids, positions, meta = self.tensors(step)
+        if fresh is not None:
+            fresh.write(input_ids)
         self.attention.plan(meta)
         last = meta.query_start_loc[1:] - 1
         return self.forward(input_ids, positions, last, self.attention)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from flare.serve.engine.sequence import SamplingParams, Sequence, TokenLogprob
+from flare.serve.engine.uploads import upload
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (as vLLM's): the distribution is the argmax up to float
@@ -48,23 +49,75 @@ class Sampler:
         """Each sequence's token (and logprobs if it asked) from its row of float32 `logits`
         [rows, vocab], or the exception that fails that sequence alone: one read of the
         device for the whole batch, one more before it when seeded rows sample."""
+        return self.launch(logits, seqs).read()
+
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+        """Start sampling: the tokens are on the device when this returns (the next step may
+        take them there), and on their way to the host, which `Sampled.read` waits for.
+        Seeded rows read their distributions here (the host draws them)."""
         groups = _Groups.of(seqs)
         top = logits.max(dim=-1)  # NaN where a NaN is, +inf where +inf, -inf where all are
         tokens, broken = top.indices, ~top.values.isfinite()
         if groups.free:
-            free = _upload(groups.free, torch.long, logits.device)
+            free = upload(groups.free, torch.long, logits.device)
             asks = [seqs[row].params for row in groups.free]
             settings = Settings.of(asks, logits.shape[-1], logits.device)
             tokens[free] = draw(logits[free], settings)
         if groups.seeded:
-            seeded = _upload(groups.seeded, torch.long, logits.device)
+            seeded = upload(groups.seeded, torch.long, logits.device)
             drawn = _draw_seeded(logits, broken[seeded], groups.seeded, seqs)
-            tokens[seeded] = _upload(drawn, torch.long, logits.device)
+            tokens[seeded] = upload(drawn, torch.long, logits.device)
         wanted = [seqs[row].params.logprobs or 0 for row in groups.logprobs]
         parts = [tokens, broken]
         if groups.logprobs:
             parts += _logprobs(logits, tokens, groups.logprobs, max(wanted))
-        return _results(seqs, groups.logprobs, wanted, _read(parts))
+        return Sampled(tokens, len(seqs), groups.logprobs, wanted, _ReadBack(parts))
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """A step's sampling, launched: its tokens on the device, its results on their way."""
+
+    tokens: torch.Tensor
+    """long [rows], on the logits' device: what the next step's forward may read."""
+    rows: int
+    logprob_rows: list[int]
+    wanted: list[int]
+    readback: _ReadBack
+
+    def read(self) -> list[Picked | Exception]:
+        """Per row, its token and logprobs, or the error that fails its sequence (this waits
+        for the device)."""
+        return _results(self.rows, self.logprob_rows, self.wanted, self.readback.read())
+
+
+class _ReadBack:
+    """Device tensors copied to the host in one copy, started now, without waiting (into
+    pinned memory, where the device is a GPU): flattened, as float64 (token ids and flags
+    are exact in it)."""
+
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.sizes = [part.numel() for part in parts]
+        flat = torch.cat([part.reshape(-1).double() for part in parts])
+        self.done: torch.cuda.Event | None = None
+        if flat.device.type != "cuda":
+            self.host = flat
+            return
+        self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        self.host.copy_(flat, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def read(self) -> list[list[float]]:
+        """The parts' values, one list per part, once the copy is done."""
+        if self.done is not None:
+            self.done.synchronize()
+        flat = self.host.tolist()
+        out, at = [], 0
+        for size in self.sizes:
+            out.append(flat[at : at + size])
+            at += size
+        return out
 
 
 @dataclass(frozen=True)
@@ -115,7 +168,7 @@ class Settings:
             [p.top_k if 0 < p.top_k < vocab else 0 for p in params],
             [p.top_p if p.top_p < 1 else float("inf") for p in params],
         ]
-        temperature, top_k, top_p = _upload(columns, torch.float64, device)
+        temperature, top_k, top_p = upload(columns, torch.float64, device)
         max_k = max(columns[1])
         return cls(
             temperature=temperature.float(),
@@ -245,14 +298,14 @@ def _logprobs(
     """For the `rows` that ask: the chosen token's logprob [rows], and the values and ids of
     the n most likely [rows, n] (at most the vocabulary), from one float64 log_softmax,
     floored."""
-    index = _upload(rows, torch.long, logits.device)
+    index = upload(rows, torch.long, logits.device)
     logprobs = torch.log_softmax(logits[index].double(), dim=-1).clamp(min=LOGPROB_FLOOR)
     top = torch.topk(logprobs, min(n, logprobs.shape[-1]), dim=-1)
     return [logprobs.gather(1, tokens[index][:, None]), top.values, top.indices]
 
 
 def _results(
-    seqs: list[Sequence], logprob_rows: list[int], wanted: list[int], read: list[list[float]]
+    rows: int, logprob_rows: list[int], wanted: list[int], read: list[list[float]]
 ) -> list[Picked | Exception]:
     """Per sequence, its token and logprobs from the values read back (tokens, broken, then
     for the logprob rows the `_logprobs`), or its error."""
@@ -268,25 +321,5 @@ def _results(
         ValueError("the model's logits for this request hold NaN or infinity")
         if broken[row]
         else (int(tokens[row]), logprobs.get(row))
-        for row in range(len(seqs))
+        for row in range(rows)
     ]
-
-
-def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a tensor on `device`, copied without waiting for the device (from
-    pinned memory, where the device is a GPU)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def _read(parts: list[torch.Tensor]) -> list[list[float]]:
-    """Device tensors back on the host in one copy (one sync): flattened, as float64 (token
-    ids and flags are exact in it), one list per part."""
-    flat = torch.cat([part.reshape(-1).double() for part in parts]).tolist()
-    out, at = [], 0
-    for part in parts:
-        out.append(flat[at : at + part.numel()])
-        at += part.numel()
-    return out

@@ -80,6 +80,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
+    def set_aside(self, seq: Sequence) -> None:
+        """Schedule the sequence no more, keeping its blocks: its last token is in flight and
+        ends it (max_tokens); `finish` frees them once that token has landed."""
+        if seq in self.running:
+            self.running.remove(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished, cancelled or failed sequence wherever it is and free its blocks.
         It may be in neither queue when a step failed half-way (a decode batch is out of

@@ -68,6 +68,9 @@ class Status(enum.Enum):
 
 
 _ids = itertools.count()
+PENDING = -1
+"""The id a pending token holds until it is resolved: no model has it, so a step that took it
+as input instead of the device's value would fail rather than compute with a wrong token."""
 
 
 class Sequence:
@@ -84,6 +87,10 @@ class Sequence:
         self.num_cached_tokens = 0
         """Leading tokens whose KV was found in the prefix cache at admission."""
         self.generator = _generator(params.seed)
+        self.pending = False
+        """Whether the newest token is a placeholder: sampled by a step still on the device,
+        whose value the next step reads there (the engine's overlap) and the host learns
+        when that step lands (`resolve`)."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -94,6 +101,16 @@ class Sequence:
 
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def append_pending(self) -> None:
+        """Count the token a step in flight is sampling, before its value is known."""
+        self.token_ids.append(PENDING)
+        self.pending = True
+
+    def resolve(self, token_id: int) -> None:
+        """The pending token's value, now read from the device."""
+        self.token_ids[-1] = token_id
+        self.pending = False
 
     def block_tokens(self, index: int, block_size: int) -> list[int]:
         """The token ids that block `index` of this sequence holds."""

@@ -44,6 +44,7 @@ PROMPT = 32
 WARMUP = 8
 STEPS = 32
 PROFILED = 8
+TOP = 25
 KV_CACHE_TOKENS = 16384
 LAUNCHES = {
     "cudaLaunchKernel",
@@ -108,10 +109,12 @@ def kernel_figures(step: Any, host: float) -> dict[str, Any]:
         torch.cuda.synchronize()
     gpu_us = kernels = 0
     calls = {"launches": 0, "graph_launches": 0, "copies": 0, "syncs": 0}
+    by_name: dict[str, list[float]] = {}
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:
             gpu_us += event.time_range.elapsed_us()
             kernels += not event.name.startswith(("Memcpy", "Memset"))
+            by_name.setdefault(event.name, []).append(event.time_range.elapsed_us())
             continue
         for kind, names in (
             ("launches", LAUNCHES),
@@ -126,7 +129,22 @@ def kernel_figures(step: Any, host: float) -> dict[str, Any]:
         "gpu_busy_share": round(gpu_ms / (1000 * host), 3),
         "kernels_per_step": round(kernels / PROFILED, 1),
         **{f"{kind}_per_step": round(count / PROFILED, 1) for kind, count in calls.items()},
+        "top_kernels": top_kernels(by_name),
     }
+
+
+def top_kernels(by_name: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """The TOP kernels by GPU time per step: name (cut), runs and microseconds per step."""
+    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:TOP]
+    return [
+        {
+            "name": name[:90],
+            "runs_per_step": round(len(times) / PROFILED, 1),
+            "us_per_step": round(sum(times) / PROFILED, 1),
+            "us_each": round(statistics.mean(times), 2),
+        }
+        for name, times in ranked
+    ]
 
 
 def table(reports: list[dict[str, Any]]) -> str:
@@ -166,6 +184,8 @@ def measure(args: argparse.Namespace, name: str, env: dict[str, str], work: Path
         "paths": {},
     }
     for path, options in PATHS:
+        if path not in args.paths.split(","):
+            continue
         runtime = load(name, args.device, kv_cache_tokens=KV_CACHE_TOKENS, **options)
         assert isinstance(runtime, GenerateRuntime)
         report["paths"][path] = {
@@ -182,6 +202,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--shapes", default="1b", help=f"comma-separated, of {', '.join(SHAPES)}")
     parser.add_argument("--target", default=None, help="the build target (default: the device)")
+    parser.add_argument("--paths", default=",".join(p for p, _ in PATHS), help="decode paths")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.target = args.target or args.device
