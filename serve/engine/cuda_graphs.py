@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from flare.model_sizes import decode_batch_sizes
+from flare.serve.engine.device_io import settle
 from flare.serve.engine.flashinfer_attention import (
     FlashInferGraphDecode,
     FlashInferPagedAttention,
@@ -149,8 +150,7 @@ class DecodeGraphs:
         """Write the step's inputs and page table where the graph of `size` reads them: into
         the pinned buffers (once the last step's copies out of them have run), then to the
         device without a sync, then FlashInfer's plan."""
-        if self._copied is not None:
-            self._copied.synchronize()
+        settle(self._copied)
         host = self._inputs_host.numpy()
         host[0, :size], host[1, :size], host[2, :size] = step.ids, step.positions, step.slots
         for tensor, values in zip(self._inputs, self._inputs_host, strict=True):

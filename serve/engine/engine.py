@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +39,12 @@ from flare.serve.engine.scheduler import ScheduledBatch, Scheduler
 from flare.serve.engine.sequence import SamplingParams, Sequence, TokenLogprob
 
 log = logging.getLogger(__name__)
+
+GIL_SWITCH_SECONDS = 0.00025
+"""How long a thread that wants the GIL waits before the holder must hand it over (Python's
+default: 5 ms). The engine thread and the API's event loop share the GIL: with the default,
+each of the engine's calls that lets go of it (a graph replay, a wait for the device) could
+cost it up to 5 ms to get it back from an event loop busy streaming, several times a step."""
 
 
 class EngineStopping(RuntimeError):
@@ -117,6 +124,7 @@ class Engine:
         return handle
 
     def start(self) -> None:
+        sys.setswitchinterval(GIL_SWITCH_SECONDS)
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="flare-engine", daemon=True)
             self._thread.start()

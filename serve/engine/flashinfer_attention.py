@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from flare.serve.engine.attention import AttentionMetadata, AttentionSpec, PagedKVCache
+from flare.serve.engine.device_io import settle
 
 WORKSPACE_BYTES = 128 << 20
 """FlashInfer's scratch space for split-KV partial results; its documented recommendation."""
@@ -71,8 +72,7 @@ class FlashInferPagedAttention:
         A plan writes the wrapper's pinned buffer and copies it to the device without
         waiting; the engine plans a step while the step before may not have started, so a
         plan first waits for the last plan's copies to have run."""
-        if self._planned is not None:
-            self._planned.synchronize()
+        settle(self._planned)
         self._meta = meta
         pages, indices, last = page_table(
             meta.context_lens_cpu, meta.block_tables_cpu, self.block_size

@@ -8,8 +8,8 @@ from typing import Any, Protocol
 import torch
 
 from flare.serve.engine.attention import AttentionBackend, AttentionMetadata, AttentionSpec
+from flare.serve.engine.device_io import upload
 from flare.serve.engine.sequence import Sequence
-from flare.serve.engine.uploads import upload
 
 
 class CausalLM(Protocol):

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flare.serve.engine.device_io import settle, upload
 from flare.serve.engine.sequence import SamplingParams, Sequence, TokenLogprob
-from flare.serve.engine.uploads import upload
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (as vLLM's): the distribution is the argmax up to float
@@ -110,8 +110,7 @@ class _ReadBack:
 
     def read(self) -> list[list[float]]:
         """The parts' values, one list per part, once the copy is done."""
-        if self.done is not None:
-            self.done.synchronize()
+        settle(self.done)
         flat = self.host.tolist()
         out, at = [], 0
         for size in self.sizes:

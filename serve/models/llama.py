@@ -79,15 +79,10 @@ class Rotary(nn.Module):
         self.inv_freq = self.inv_freq.to(fn(probe).device)
         return super()._apply(fn, recurse)
 
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [tokens, dim], computed in float32 and cast to the model's dtype here,
-        once a step: every layer's queries and keys take them as they are (cast in each
-        layer, a compiled forward computed them again for each, 64 kernels a 1B decode step)."""
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        return angles.cos(), angles.sin()
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
@@ -114,8 +109,9 @@ def _llama3_frequencies(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.T
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, dim]; cos, sin: [tokens, dim] in x's dtype, as transformers casts
-    them (a bf16 model keeps bf16 queries and keys)."""
+    """x: [tokens, heads, dim]; cos, sin: [tokens, dim], computed in float32 and cast to x's
+    dtype here, as transformers does (a bf16 model keeps bf16 queries and keys)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -274,8 +270,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
+        rotary = self.model.rotary(positions)
         x = self.model.embed_tokens(input_ids)
-        rotary = self.model.rotary(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, rotary, attention)
         return self.model.norm(x)
