@@ -10,7 +10,8 @@ N words is N tokens and every sampled id decodes), then
 - transformers on the same device: `generate` with its static cache at batch 1 and 16, and the
   same with the forward compiled (`torch.compile`, mode reduce-overhead), greedy;
 - flare: the checkpoint built with `--target DEVICE`, served by `flare serve`, streamed over
-  HTTP with temperature 0 and `ignore_eos`: batch-1 decode, 16 and 64 concurrent streams, the
+  HTTP with temperature 0 and `ignore_eos`: batch-1 decode, 16 and 64 concurrent streams (from
+  client processes, tokens counted from the server's usage figures: tests/bench/stream_load.py), the
   first token of an 8K-token prompt, greedy continuations beside transformers', and the
   compilations counted after ready (`/metrics`);
 - the bandwidth roofline: weight bytes ÷ 4.8 TB/s per token (an H200's HBM3e).
@@ -28,12 +29,12 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from gpu_package import flare, publish, require, start_server
+from stream_load import one_stream, streams
 
 HBM_BYTES_PER_S = 4.8e12
 FIELDS = ("hidden", "layers", "heads", "kv_heads", "inter", "vocab")
@@ -45,7 +46,7 @@ SHAPES = {
 """Llama-3.2-1B's and Llama-3.1-8B's shapes, and a tiny one to check the script on a CPU."""
 SHARD_BYTES = 4 << 30
 DECODE_TOKENS = 128
-STREAM_TOKENS = 64
+STREAM_TOKENS = 256
 MAX_STREAMS = 64
 """The most concurrent streams measured; the package is built for that many (a CUDA graph each)."""
 LONG_PROMPT = 8192
@@ -205,66 +206,27 @@ def greedy(model: Any, tokenizer: Any, device: str, prompt: str) -> str:
 # -- flare ------------------------------------------------------------------------------------
 
 
-def stream(client: Any, url: str, name: str, prompt: str, tokens: int) -> tuple[int, float, float]:
-    """One streamed completion: (tokens, seconds to the first, seconds after the first)."""
-    body = {
-        "model": name,
-        "prompt": prompt,
-        "max_tokens": tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    started, first, got = time.perf_counter(), None, 0
-    with client.stream("POST", f"{url}/completions", json=body, timeout=900) as reply:
-        reply.raise_for_status()
-        for line in reply.iter_lines():
-            if line.startswith("data: {"):
-                got += 1
-                first = first or time.perf_counter()
-    end = time.perf_counter()
-    return got, (first or end) - started, end - (first or end)
-
-
-def concurrent(url: str, name: str, width: int) -> float:
-    """Total tokens/s of `width` streams at once (short prompts, STREAM_TOKENS each)."""
-    import httpx
-
-    results: list[tuple[int, float, float]] = [(0, 0.0, 0.0)] * width
-    with httpx.Client(limits=httpx.Limits(max_connections=width + 4)) as client:
-
-        def one(i: int) -> None:
-            results[i] = stream(client, url, name, prompt_of(32, 100 + i), STREAM_TOKENS)
-
-        started = time.perf_counter()
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(width)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        wall = time.perf_counter() - started
-    return round(sum(r[0] for r in results) / wall, 1)
-
-
 def flare_figures(env: dict[str, str], name: str, device: str) -> dict[str, Any]:
     import httpx
 
     server, url, ready, _ = start_server(env, name, "--device", device)
     out: dict[str, Any] = {"ready_line": ready}
     try:
+        one_stream(url, name, prompt_of(32, 0), 8)  # a warm-up request
+        out["batch1_tok_s"] = round(
+            one_stream(url, name, prompt_of(32, 1), DECODE_TOKENS).decode_tok_s, 1
+        )
+        firsts = [one_stream(url, name, prompt_of(LONG_PROMPT, 50 + i), 1) for i in range(3)]
+        out["first_token_8k_s"] = round(statistics.median(s.first - s.started for s in firsts), 4)
         with httpx.Client() as client:
-            stream(client, url, name, prompt_of(32, 0), 8)  # a warm-up request
-            got, _, seconds = stream(client, url, name, prompt_of(32, 1), DECODE_TOKENS)
-            out["batch1_tok_s"] = round((got - 1) / seconds, 1)
-            firsts = [
-                stream(client, url, name, prompt_of(LONG_PROMPT, 50 + i), 1)[1] for i in range(3)
-            ]
-            out["first_token_8k_s"] = round(statistics.median(firsts), 4)
             out["greedy"] = [
                 completion(client, url, name, prompt_of(16, seed)) for seed in range(PARITY_PROMPTS)
             ]
-        out["streams16_tok_s"] = concurrent(url, name, 16)
-        out["streams64_tok_s"] = concurrent(url, name, MAX_STREAMS)
+        for width in (16, MAX_STREAMS):
+            prompts = [prompt_of(32, 100 + i) for i in range(width)]
+            load = streams(url, name, prompts, STREAM_TOKENS)
+            out[f"streams{width}_tok_s"] = round(load.tok_s, 1)
+            out[f"streams{width}"] = load.report()
         metrics = httpx.get(f"{url.removesuffix('/v1')}/metrics").text
         found = re.search(r"^flare_compilations_total (\S+)$", metrics, re.M)
         out["compilations_after_ready"] = float(found.group(1)) if found else None

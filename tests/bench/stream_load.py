@@ -1,0 +1,128 @@
+"""Streamed completions as a load: N concurrent streams from client processes, each stream's
+tokens counted from the server's own usage figures, not from its events.
+
+Why not threads in the bench process, counting `data:` lines: a server whose event loop falls
+behind its engine joins the deltas of one request into one event (serve/engine/output.py), so
+a line is not a token, and counting lines under-reports exactly the fastest servers; and one
+Python process parsing 64 streams holds a GIL that the load then measures as well. Here each
+client process runs its share of the streams on its own event loop, every stream asks for its
+usage (`stream_options.include_usage`), and the streams of all processes start at one
+wall-clock instant, so the total rate is the tokens of all over the span from the first
+start to the last end.
+
+    from stream_load import one_stream, streams
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import time
+from dataclasses import dataclass
+
+PROCESSES = 8
+"""Client processes at most (each runs width / PROCESSES streams on one event loop)."""
+START_DELAY_S = 2.0
+"""How far ahead the common start is set, so every client process is up and waiting."""
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """One stream: the tokens the server says it generated, and wall-clock instants (time.time,
+    comparable across processes) of its request, its first event and its end."""
+
+    tokens: int
+    started: float
+    first: float
+    ended: float
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens after the first over the time after the first."""
+        return (self.tokens - 1) / max(self.ended - self.first, 1e-9)
+
+
+async def _stream(client: object, url: str, body: dict) -> Streamed:
+    started, first, tokens = time.time(), None, None
+    async with client.stream("POST", f"{url}/completions", json=body, timeout=900) as reply:  # type: ignore[attr-defined]
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            first = first or time.time()
+            usage = json.loads(line[6:]).get("usage")
+            if usage:
+                tokens = usage["completion_tokens"]
+    if tokens is None:
+        raise RuntimeError(f"a stream from {url} ended without its usage")
+    ended = time.time()
+    return Streamed(tokens, started, first or ended, ended)
+
+
+def _body(name: str, prompt: str, tokens: int) -> dict:
+    return {
+        "model": name,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def _share(url: str, bodies: list[dict], start_at: float) -> list[Streamed]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(bodies) + 2)
+    async with httpx.AsyncClient(limits=limits) as client:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        return await asyncio.gather(*(_stream(client, url, body) for body in bodies))
+
+
+def _run_share(url: str, bodies: list[dict], start_at: float) -> list[Streamed]:
+    """In a client process: its streams, started together at `start_at`."""
+    return asyncio.run(_share(url, bodies, start_at))
+
+
+def one_stream(url: str, name: str, prompt: str, tokens: int) -> Streamed:
+    """One streamed completion, in this process."""
+    return asyncio.run(_share(url, [_body(name, prompt, tokens)], time.time()))[0]
+
+
+@dataclass(frozen=True)
+class Load:
+    """What `width` concurrent streams gave."""
+
+    width: int
+    tokens: int
+    seconds: float
+    first_token_s: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+    def report(self) -> dict[str, float]:
+        return {
+            "tok_s": round(self.tok_s, 1),
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "median_first_token_s": round(self.first_token_s, 4),
+        }
+
+
+def streams(url: str, name: str, prompts: list[str], tokens: int) -> Load:
+    """All `prompts` streamed at once (`tokens` each, end of sequence ignored) from up to
+    PROCESSES client processes (spawned: the bench process may hold a CUDA context)."""
+    bodies = [_body(name, prompt, tokens) for prompt in prompts]
+    processes = min(PROCESSES, len(bodies))
+    shares = [bodies[i::processes] for i in range(processes)]
+    start_at = time.time() + START_DELAY_S
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        done = pool.starmap(_run_share, [(url, share, start_at) for share in shares])
+    every = [s for share in done for s in share]
+    span = max(s.ended for s in every) - min(s.started for s in every)
+    firsts = sorted(s.first - s.started for s in every)
+    return Load(len(every), sum(s.tokens for s in every), span, firsts[len(firsts) // 2])
