@@ -273,9 +273,11 @@ def measure(shape_name: str, args: argparse.Namespace, work: Path) -> dict[str, 
         "roofline_batch1_tok_s": round(HBM_BYTES_PER_S / weight_bytes, 1),
         "checkpoint_s": round(time.perf_counter() - started, 1),
     }
+    print(f"{shape_name}: checkpoint in {report['checkpoint_s']} s", file=sys.stderr)
     report["transformers"] = transformers_figures(
         folder / "ckpt", args.device, not args.skip_compiled
     )
+    print(f"{shape_name}: transformers {report['transformers']}", file=sys.stderr)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
     env |= {"FLARE_HOME": str(folder / "home"), "XDG_CONFIG_HOME": str(folder / "xdg")}
     if args.kernel_cache:  # tune records and compiled forwards of an earlier run, reused
@@ -298,6 +300,7 @@ def measure(shape_name: str, args: argparse.Namespace, work: Path) -> dict[str, 
         )
     )
     report["build_s"] = round(time.perf_counter() - started, 1)
+    print(f"{shape_name}: built in {report['build_s']} s", file=sys.stderr)
     report["phases"] = {p["name"]: round(p["seconds"], 2) for p in built["phases"]}
     report["flare"] = flare_figures(env, shape_name, args.device)
     pairs = zip(report["flare"].pop("greedy"), report["transformers"].pop("greedy"), strict=True)

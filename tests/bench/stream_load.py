@@ -77,6 +77,7 @@ async def _share(url: str, bodies: list[dict], start_at: float) -> list[Streamed
 
     limits = httpx.Limits(max_connections=len(bodies) + 2)
     async with httpx.AsyncClient(limits=limits) as client:
+        (await client.get(f"{url}/models")).raise_for_status()  # the client's first-use costs
         await asyncio.sleep(max(0.0, start_at - time.time()))
         return await asyncio.gather(*(_stream(client, url, body) for body in bodies))
 
