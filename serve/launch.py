@@ -38,7 +38,16 @@ if TYPE_CHECKING:
     from flare.store.package import Manifest
 
 
-SERVE_MODULES = ("torch", "fastapi", "uvicorn", "jinja2", "prometheus_client", "httpx")
+SERVE_MODULES = (
+    "torch",
+    "fastapi",
+    "uvicorn",
+    "httptools",
+    "uvloop",
+    "jinja2",
+    "prometheus_client",
+    "httpx",
+)
 """What the serve extra installs (pyproject.toml), by import name."""
 
 

@@ -94,3 +94,13 @@ def test_demo_without_the_serve_extra_says_what_to_install_before_building(
         f"error: flare demo needs httpx, which is not installed; {install_hint('serve')}"
     ]
     assert not (tmp_path / "home" / "registry").exists()
+
+
+def test_serve_checks_every_module_of_its_extra_before_it_starts() -> None:
+    """A host installed before the serve extra grew (httptools and uvloop came later) must be
+    told what to install, not fail inside uvicorn with an ImportError."""
+    from flare.serve.launch import SERVE_MODULES
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extra = {_requirement_name(r) for r in project["optional-dependencies"]["serve"]}
+    assert {m.replace("_", "-") for m in SERVE_MODULES} == extra
