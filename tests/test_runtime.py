@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from flare.registry.refs import read_manifest
 from flare.registry.registry import Registry
 from flare.serve.engine.attention import TorchPagedAttention
 from flare.serve.engine.block_manager import BlockManager
+from flare.serve.engine.engine import ENGINE_THREAD
 from flare.serve.engine.output import REPLACEMENT, TextStream
 from flare.serve.engine.runner import FreshTokens, ModelRunner
 from flare.serve.engine.sequence import Sequence
@@ -389,6 +391,16 @@ def test_stop_strings_cut_the_text(llama: GenerateRuntime) -> None:
     stop = text[10:13]
     cut, _, reason = collect(llama.submit(prompt, greedy(30, stop=["never there", stop])))
     assert (cut, reason) == (text[: text.index(stop)], "stop")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="threads have OS names on Linux")
+def test_the_engine_thread_has_its_name_where_the_os_shows_threads(
+    llama: GenerateRuntime,
+) -> None:
+    """top -H and the benches' CPU per thread tell the engine from the API's event loop."""
+    generate(llama, varied_prompts(llama, 1)[0], max_tokens=2)  # the loop has run
+    names = [p.read_text().strip() for p in Path("/proc/self/task").glob("*/comm")]
+    assert ENGINE_THREAD in names, names
 
 
 def test_async_streaming(llama: GenerateRuntime) -> None:

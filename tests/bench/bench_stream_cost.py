@@ -1,12 +1,14 @@
 """What a streamed token costs `flare serve`'s host: CPU microseconds per token, of the API's
-event loop (the process's main thread) and of every other thread (the engine with its forward).
+event loop, of the engine thread, and of the other threads.
 
 On a GPU host at 64 streams the event loop writes an event a token, tens of thousands a second,
 and shares the GIL with the engine thread: its cost per token bounds the tokens a second that
 HTTP carries whatever the GPU does (docs/performance.md, "Streaming over HTTP"). This script
 measures that cost on any machine: the seeded tiny Llama built eager, served by `flare serve`
 on the CPU, WIDTH streams of TOKENS tokens each from client processes (stream_load.py), and the
-server's per-thread CPU time (/proc/PID/task/*/stat) read before and after the load.
+server's CPU time by thread (/proc/PID/task/*/stat) read before and after the load: its main
+thread (the event loop), its engine thread (named flare-engine for the OS) and the rest (torch's
+threads, here running the forward).
 
     python tests/bench/bench_stream_cost.py [--width 64] [--tokens 256] [--repeat 3] [--json]
 
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -28,41 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the test
 from bench_serve import prepare, start_server
 from stream_load import one_stream, streams
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of `pid`, by thread id."""
-    seconds = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # a thread that ended meanwhile
-            continue
-        seconds[int(task.name)] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-    return seconds
-
-
-def loop_and_rest(
-    pid: int, before: dict[int, float], after: dict[int, float]
-) -> tuple[float, float]:
-    """CPU seconds spent between two readings by the main thread (the event loop) and by all
-    the others."""
-    spent = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
-    loop = spent.pop(pid, 0.0)
-    return loop, sum(spent.values())
+ROLES = ("event_loop", "engine", "other")
 
 
 def measure(url: str, pid: int, width: int, tokens: int) -> dict[str, float]:
     prompts = [f"stream {i} asks about blobs and digests" for i in range(width)]
-    before = thread_cpu(pid)
-    load = streams(url, "tiny", prompts, tokens)
-    loop, rest = loop_and_rest(pid, before, thread_cpu(pid))
-    return {
-        "tok_s": load.tok_s,
-        "loop_us_per_token": 1e6 * loop / load.tokens,
-        "rest_us_per_token": 1e6 * rest / load.tokens,
-    }
+    load = streams(url, "tiny", prompts, tokens, pid=pid)
+    assert load.cpu is not None
+    figures = {"tok_s": load.tok_s}
+    figures |= {f"{role}_us_per_token": 1e6 * load.cpu[role] / load.tokens for role in ROLES}
+    return figures
 
 
 def main() -> int:
@@ -89,10 +65,10 @@ def main() -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
+        costs = ", ".join(f"{role} {report[f'{role}_us_per_token']} us" for role in ROLES)
         print(
-            f"{args.width} streams x {args.tokens} tokens: {report['tok_s']} tok/s; CPU per token:"
-            f" event loop {report['loop_us_per_token']} us, other threads"
-            f" {report['rest_us_per_token']} us (median of {args.repeat})"
+            f"{args.width} streams x {args.tokens} tokens: {report['tok_s']} tok/s; server CPU"
+            f" per token: {costs} (median of {args.repeat})"
         )
     return 0
 

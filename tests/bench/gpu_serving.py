@@ -224,7 +224,7 @@ def flare_figures(env: dict[str, str], name: str, device: str) -> dict[str, Any]
             ]
         for width in (16, MAX_STREAMS):
             prompts = [prompt_of(32, 100 + i) for i in range(width)]
-            load = streams(url, name, prompts, STREAM_TOKENS)
+            load = streams(url, name, prompts, STREAM_TOKENS, pid=server.pid)
             out[f"streams{width}_tok_s"] = round(load.tok_s, 1)
             out[f"streams{width}"] = load.report()
         metrics = httpx.get(f"{url.removesuffix('/v1')}/metrics").text

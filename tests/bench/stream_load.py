@@ -18,13 +18,18 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 PROCESSES = 8
 """Client processes at most (each runs width / PROCESSES streams on one event loop)."""
 START_DELAY_S = 2.0
 """How far ahead the common start is set, so every client process is up and waiting."""
+ENGINE_THREAD = "flare-engine"
+"""The OS name of the server's engine thread (serve/engine/engine.py)."""
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -92,38 +97,65 @@ def one_stream(url: str, name: str, prompt: str, tokens: int) -> Streamed:
     return asyncio.run(_share(url, [_body(name, prompt, tokens)], time.time()))[0]
 
 
+def server_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) the server `pid` has spent, by role: its main thread (the
+    API's event loop), its engine thread, and all its other threads together."""
+    spent = {"event_loop": 0.0, "engine": 0.0, "other": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        role = "event_loop" if task.name == str(pid) else "other"
+        role = "engine" if name == ENGINE_THREAD else role
+        spent[role] += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return spent
+
+
 @dataclass(frozen=True)
 class Load:
-    """What `width` concurrent streams gave."""
+    """What `width` concurrent streams gave, and (with the server's pid) the server's CPU
+    seconds by role over the load."""
 
     width: int
     tokens: int
     seconds: float
     first_token_s: float
+    cpu: dict[str, float] | None = None
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds
 
     def report(self) -> dict[str, float]:
-        return {
+        out = {
             "tok_s": round(self.tok_s, 1),
             "tokens": self.tokens,
             "seconds": round(self.seconds, 3),
             "median_first_token_s": round(self.first_token_s, 4),
         }
+        for role, seconds in (self.cpu or {}).items():
+            out[f"{role}_cpu_us_per_token"] = round(1e6 * seconds / self.tokens, 1)
+            out[f"{role}_busy"] = round(seconds / self.seconds, 2)
+        return out
 
 
-def streams(url: str, name: str, prompts: list[str], tokens: int) -> Load:
+def streams(url: str, name: str, prompts: list[str], tokens: int, pid: int | None = None) -> Load:
     """All `prompts` streamed at once (`tokens` each, end of sequence ignored) from up to
-    PROCESSES client processes (spawned: the bench process may hold a CUDA context)."""
+    PROCESSES client processes (spawned: the bench process may hold a CUDA context); with the
+    server's `pid`, its CPU time by role over the load (`server_cpu`)."""
+    before = server_cpu(pid) if pid is not None else None
     bodies = [_body(name, prompt, tokens) for prompt in prompts]
     processes = min(PROCESSES, len(bodies))
     shares = [bodies[i::processes] for i in range(processes)]
     start_at = time.time() + START_DELAY_S
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         done = pool.starmap(_run_share, [(url, share, start_at) for share in shares])
+    cpu = None
+    if pid is not None and before is not None:
+        cpu = {role: spent - before[role] for role, spent in server_cpu(pid).items()}
     every = [s for share in done for s in share]
     span = max(s.ended for s in every) - min(s.started for s in every)
     firsts = sorted(s.first - s.started for s in every)
-    return Load(len(every), sum(s.tokens for s in every), span, firsts[len(firsts) // 2])
+    return Load(len(every), sum(s.tokens for s in every), span, firsts[len(firsts) // 2], cpu)
