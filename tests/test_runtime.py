@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import sys
 import time
@@ -27,6 +28,7 @@ from flare.serve.engine.runner import FreshTokens, ModelRunner
 from flare.serve.engine.sequence import Sequence
 from flare.serve.models import load_model
 from flare.serve.models.files import PackageFiles
+from flare.serve.models.llama import head_dim
 from flare.serve.runtime import (
     Delta,
     GenerateRuntime,
@@ -139,8 +141,18 @@ def test_prompt_logits_match_transformers(packages: dict[str, Package], arch: st
     assert manifest.recipe.fused and "model.layers.0.self_attn.qkv_proj.weight" in {
         t.name for p in manifest.payloads for t in p.tensors
     }  # what serves is the fused layout (recipe v2)
+    ours, theirs = prompt_logits(manifest, files, folder, length=64, seed=1)
+    assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+def prompt_logits(
+    manifest: Manifest, files: dict[str, Path], folder: Path, length: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 logits of a random prompt at every position: the package's model through the
+    engine's runner, and transformers' on the checkpoint it was built from."""
     model = load_model(PackageFiles(manifest, files), torch.device("cpu"), torch.float32)
-    prompt = torch.randint(0, model.vocab_size, (64,), generator=torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, model.vocab_size, (length,), generator=generator)
     seq = Sequence(prompt.tolist(), GREEDY, max_tokens=1)
     BlockManager(8, 16).allocate(seq)
     attention = TorchPagedAttention(
@@ -152,6 +164,20 @@ def test_prompt_logits_match_transformers(packages: dict[str, Package], arch: st
     with torch.inference_mode():
         ours = model.compute_logits(model.forward(input_ids, positions, attention))
         theirs = reference_model(folder)(prompt[None]).logits[0]
+    return ours, theirs
+
+
+@pytest.mark.parametrize(("hidden", "heads", "kv_heads"), [(256, 4, 1), (512, 4, 2)])
+def test_prompt_logits_match_transformers_at_the_head_sizes_of_real_llamas(
+    tmp_path: Path, hidden: int, heads: int, kv_heads: int
+) -> None:
+    """Head sizes 64 (Llama-3.2-1B) and 128 (Llama-3.1-8B and most others), which the tiny
+    checkpoints (head size 8) leave out: rotary halves and the attention scale depend on it."""
+    folder = make_llama(tmp_path / "checkpoint", hidden=hidden, heads=heads, kv_heads=kv_heads)
+    manifest, files, _ = build_package(folder, tmp_path, "heads")
+    config = json.loads((folder / "config.json").read_text())
+    assert head_dim(config) == hidden // heads
+    ours, theirs = prompt_logits(manifest, files, folder, length=96, seed=2)
     assert (ours - theirs).abs().max().item() <= 1e-4
 
 
