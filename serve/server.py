@@ -83,8 +83,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 def _config(app: FastAPI) -> uvicorn.Config:
     """uvicorn with its C HTTP parser and uvloop (not h11 and asyncio's loop, its fallbacks):
-    each streamed token is an event the loop writes, and at 64 streams the loop's cost per
-    event, not the GPU, is what bounds the tokens a second."""
+    each streamed token is an event the loop writes, under the GIL the engine thread needs
+    too, so the loop's cost per event counts against every stream's tokens a second."""
     return uvicorn.Config(
         app,
         http="httptools",
