@@ -3,6 +3,7 @@ client, bad input, disconnecting clients, an API key, and a drained shutdown."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -262,6 +263,61 @@ def test_a_client_leaving_mid_stream_frees_its_cache_pages(server: Server) -> No
         time.sleep(0.1)
     assert server.metric("flare_kv_blocks_used") == 0
     assert server.metric("flare_requests_running") == 0
+
+
+def test_64_concurrent_streams_give_each_request_its_tokens_alone(home: Path) -> None:
+    """A package built for 64 concurrent requests, 64 greedy streams at once (each its own
+    prompt and length) through HTTP: each gets the text and token count it gets alone, and
+    they ran batched (far fewer engine steps than tokens)."""
+    env = flare_env(home)
+    flare(env, "build", str(home / "tiny-llama"), "--name", "tiny64", "--max-concurrency", "64")
+    server = Server(env, "tiny64")
+    try:
+        bodies = [
+            {
+                "model": "tiny64",
+                "prompt": f"request {i} asks about blobs, digests and {'pins ' * (i % 5)}",
+                "max_tokens": 8 + i % 13,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            for i in range(64)
+        ]
+        steps = server.metric("flare_steps_total")
+        together = asyncio.run(_stream_all(server.url, bodies))
+        batched_steps = server.metric("flare_steps_total") - steps
+        alone = [_complete(server.url, body) for body in bodies]
+    finally:
+        server.stop()
+    assert together == alone
+    assert batched_steps < sum(tokens for _, tokens in alone) / 8
+
+
+async def _stream_all(url: str, bodies: list[dict]) -> list[tuple[str, int]]:
+    """Every body streamed at once: each one's text and completion tokens (its usage)."""
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=80)) as client:
+        return list(await asyncio.gather(*(_stream_one(client, url, body) for body in bodies)))
+
+
+async def _stream_one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[str, int]:
+    body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    text, tokens = "", -1
+    async with client.stream("POST", f"{url}/completions", json=body) as reply:
+        assert reply.status_code == 200
+        async for line in reply.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line.removeprefix("data: "))
+                text += "".join(choice["text"] for choice in event["choices"])
+                tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
+    return text, tokens
+
+
+def _complete(url: str, body: dict) -> tuple[str, int]:
+    """One request on its own: its text and completion tokens."""
+    reply = httpx.post(f"{url}/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()
+    return answer["choices"][0]["text"], answer["usage"]["completion_tokens"]
 
 
 def test_embeddings_from_the_minilm_package(home: Path) -> None:
