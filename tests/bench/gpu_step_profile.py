@@ -15,9 +15,10 @@ stepped through their prefill and WARMUP decode steps, then:
 - host time: the wall of each of STEPS `engine.step()` calls, nothing subtracted (the step
   reads the sampled tokens, so it waits for the GPU where the GPU is the slower); median, p90;
 - on CUDA, PROFILED more steps under torch.profiler: the GPU's time per step (the kernels' and
-  copies' total), the GPU busy share (that over the host time), and per step the kernels run,
-  the launch calls the host made (kernel launches; graph launches apart), host-to-device copies
-  and stream or device synchronisations.
+  copies' total), the GPU busy share (that over the host time), the device's gaps per step
+  (seams between kernels under SEAM_US, and idle time waiting for the host), and per step the
+  kernels run, the launch calls the host made (kernel launches; graph launches apart),
+  host-to-device copies and stream or device synchronisations.
 
 On the CPU it reports host time only. Nothing asserts on time: it prints a table (stderr) and
 one JSON report (stdout, and under --out).
@@ -45,6 +46,9 @@ WARMUP = 8
 STEPS = 32
 PROFILED = 8
 TOP = 25
+SEAM_US = 20.0
+"""Gaps between device activities shorter than this are seams between kernels; longer ones,
+the GPU idle (waiting for the host)."""
 KV_CACHE_TOKENS = 16384
 LAUNCHES = {
     "cudaLaunchKernel",
@@ -110,9 +114,11 @@ def kernel_figures(step: Any, host: float) -> dict[str, Any]:
     gpu_us = kernels = 0
     calls = {"launches": 0, "graph_launches": 0, "copies": 0, "syncs": 0}
     by_name: dict[str, list[float]] = {}
+    spans: list[tuple[float, float]] = []
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:
             gpu_us += event.time_range.elapsed_us()
+            spans.append((event.time_range.start, event.time_range.end))
             kernels += not event.name.startswith(("Memcpy", "Memset"))
             by_name.setdefault(event.name, []).append(event.time_range.elapsed_us())
             continue
@@ -124,13 +130,34 @@ def kernel_figures(step: Any, host: float) -> dict[str, Any]:
         ):
             calls[kind] += event.name in names
     gpu_ms = gpu_us / 1000 / PROFILED
+    seams, idle = gaps(spans)
     return {
         "gpu_ms_per_step": round(gpu_ms, 3),
         "gpu_busy_share": round(gpu_ms / (1000 * host), 3),
+        "gpu_seams_ms_per_step": round(seams / 1000 / PROFILED, 3),
+        "gpu_idle_ms_per_step": round(idle / 1000 / PROFILED, 3),
         "kernels_per_step": round(kernels / PROFILED, 1),
         **{f"{kind}_per_step": round(count / PROFILED, 1) for kind, count in calls.items()},
         "top_kernels": top_kernels(by_name),
     }
+
+
+def gaps(spans: list[tuple[float, float]]) -> tuple[float, float]:
+    """The device's time between its kernels and copies (microseconds), in two sums: seams,
+    gaps shorter than SEAM_US (one kernel ending, the next starting: inside a graph replay they
+    are the GPU's own cost, launch overhead that a graph does not remove), and idle, the longer
+    ones (the GPU waiting for the host). Overlapping spans are merged first."""
+    seams = idle = 0.0
+    end = None
+    for start, stop in sorted(spans):
+        if end is not None and start > end:
+            gap = start - end
+            if gap < SEAM_US:
+                seams += gap
+            else:
+                idle += gap
+        end = stop if end is None else max(end, stop)
+    return seams, idle
 
 
 def top_kernels(by_name: dict[str, list[float]]) -> list[dict[str, Any]]:
@@ -153,6 +180,8 @@ def table(reports: list[dict[str, Any]]) -> str:
         "host_ms_per_step",
         "gpu_ms_per_step",
         "gpu_busy_share",
+        "gpu_seams_ms_per_step",
+        "gpu_idle_ms_per_step",
         "launches_per_step",
         "graph_launches_per_step",
         "kernels_per_step",
