@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stream_load import completion_body
+
 HERE = Path(__file__).resolve().parent
 WIDTHS = (1, 2, 3, 4, 8, 13, 16, 32)
 """Concurrent requests of the mixed load: every batch size up to the package's plan."""
@@ -125,25 +127,21 @@ def start_server(
 
 
 def stream(client: Any, url: str, name: str, prompt: str, tokens: int, cancel_after: int = 0):
-    """Stream one completion; returns (tokens received, seconds after the first one)."""
-    body = {
-        "model": name,
-        "prompt": prompt,
-        "max_tokens": tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    got, first = 0, None
+    """Stream one completion; returns (tokens generated: the server's usage count, or the events
+    read where the client leaves after `cancel_after` of them; seconds after the first event)."""
+    events, first, usage = 0, None, None
+    body = completion_body(name, prompt, tokens)
     with client.stream("POST", f"{url}/completions", json=body, timeout=600) as reply:
         reply.raise_for_status()
         for line in reply.iter_lines():
             if not line.startswith("data: {"):
                 continue
-            got += 1
+            events += 1
             first = first or time.perf_counter()
-            if cancel_after and got >= cancel_after:
+            usage = json.loads(line.removeprefix("data: ")).get("usage") or usage
+            if cancel_after and events >= cancel_after:
                 break
+    got = usage["completion_tokens"] if usage else events
     return got, (time.perf_counter() - first) if first else 0.0
 
 

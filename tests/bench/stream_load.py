@@ -10,7 +10,7 @@ usage (`stream_options.include_usage`), and the streams of all processes start a
 wall-clock instant, so the total rate is the tokens of all over the span from the first
 start to the last end.
 
-    from stream_load import one_stream, streams
+    from stream_load import completion_body, one_stream, streams
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ async def _stream(client: object, url: str, body: dict) -> Streamed:
     return Streamed(tokens, started, first or ended, ended)
 
 
-def _body(name: str, prompt: str, tokens: int) -> dict:
+def completion_body(name: str, prompt: str, tokens: int) -> dict:
+    """A streamed greedy completion of `tokens` tokens (end of sequence ignored) that ends
+    with its usage."""
     return {
         "model": name,
         "prompt": prompt,
@@ -94,7 +96,7 @@ def _run_share(url: str, bodies: list[dict], start_at: float) -> list[Streamed]:
 
 def one_stream(url: str, name: str, prompt: str, tokens: int) -> Streamed:
     """One streamed completion, in this process."""
-    return asyncio.run(_share(url, [_body(name, prompt, tokens)], time.time()))[0]
+    return asyncio.run(_share(url, [completion_body(name, prompt, tokens)], time.time()))[0]
 
 
 def server_cpu(pid: int) -> dict[str, float]:
@@ -146,7 +148,7 @@ def streams(url: str, name: str, prompts: list[str], tokens: int, pid: int | Non
     PROCESSES client processes (spawned: the bench process may hold a CUDA context); with the
     server's `pid`, its CPU time by role over the load (`server_cpu`)."""
     before = server_cpu(pid) if pid is not None else None
-    bodies = [_body(name, prompt, tokens) for prompt in prompts]
+    bodies = [completion_body(name, prompt, tokens) for prompt in prompts]
     processes = min(PROCESSES, len(bodies))
     shares = [bodies[i::processes] for i in range(processes)]
     start_at = time.time() + START_DELAY_S
