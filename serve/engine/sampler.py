@@ -71,7 +71,7 @@ class Sampler:
         parts = [tokens, broken]
         if groups.logprobs:
             parts += _logprobs(logits, tokens, groups.logprobs, max(wanted))
-        return Sampled(tokens, len(seqs), groups.logprobs, wanted, _ReadBack(parts))
+        return Sampled(tokens, groups.logprobs, wanted, _ReadBack(parts))
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,6 @@ class Sampled:
 
     tokens: torch.Tensor
     """long [rows], on the logits' device: what the next step's forward may read."""
-    rows: int
     logprob_rows: list[int]
     wanted: list[int]
     readback: _ReadBack
@@ -88,7 +87,7 @@ class Sampled:
     def read(self) -> list[Picked | Exception]:
         """Per row, its token and logprobs, or the error that fails its sequence (this waits
         for the device)."""
-        return _results(self.rows, self.logprob_rows, self.wanted, self.readback.read())
+        return _results(len(self.tokens), self.logprob_rows, self.wanted, self.readback.read())
 
 
 class _ReadBack:

@@ -87,10 +87,6 @@ class Sequence:
         self.num_cached_tokens = 0
         """Leading tokens whose KV was found in the prefix cache at admission."""
         self.generator = _generator(params.seed)
-        self.pending = False
-        """Whether the newest token is a placeholder: sampled by a step still on the device,
-        whose value the next step reads there (the engine's overlap) and the host learns
-        when that step lands (`resolve`)."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -102,15 +98,20 @@ class Sequence:
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    @property
+    def pending(self) -> bool:
+        """Whether the newest token is a placeholder: sampled by a step still on the device,
+        whose value the next step reads there (the engine's overlap) and the host learns
+        when that step lands (`resolve`)."""
+        return self.token_ids[-1:] == [PENDING]
+
     def append_pending(self) -> None:
         """Count the token a step in flight is sampling, before its value is known."""
         self.token_ids.append(PENDING)
-        self.pending = True
 
     def resolve(self, token_id: int) -> None:
         """The pending token's value, now read from the device."""
         self.token_ids[-1] = token_id
-        self.pending = False
 
     def block_tokens(self, index: int, block_size: int) -> list[int]:
         """The token ids that block `index` of this sequence holds."""
