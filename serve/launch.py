@@ -120,23 +120,37 @@ def load_package_app(
     and make its API app; a multi-rank package as rank zero of `leader`'s group, once every
     rank has loaded its part."""
     from flare.serve.api import ServedPackage, create_app
+    from flare.serve.engine_process import EngineSpec, start_engine
+    from flare.serve.models import model_kind
+    from flare.serve.models.files import PackageFiles
     from flare.serve.runtime import GenerateRuntime, load_runtime
 
     started = time.perf_counter()
-    runtime = load_runtime(
-        plan.manifest,
-        cache.files(plan.manifest, (0,) if leader is not None else None),
-        plan.device,
-        kv_cache_tokens,
-        memory_reserve=load_config()["memory.reserve"],
-        attention=attention,
-        quarantine=cache.quarantine_if_corrupt,
-        compile_mode=compile_mode,
-        compile_root=cache.root / "compiled",
-        group=leader.group if leader is not None else None,
-        on_group_failure=leader.collective_failed if leader is not None else None,
-        cuda_graphs=cuda_graphs,
-    )
+    manifest = plan.manifest
+    files = cache.files(manifest, (0,) if leader is not None else None)
+    options = {
+        "kv_cache_tokens": kv_cache_tokens,
+        "memory_reserve": load_config()["memory.reserve"],
+        "attention": attention,
+        "compile_mode": compile_mode,
+        "compile_root": cache.root / "compiled",
+        "cuda_graphs": cuda_graphs,
+    }
+    package = PackageFiles(manifest, files, cache.quarantine_if_corrupt)
+    runtime: Runtime
+    if leader is None and model_kind(package) == "generate":
+        spec = EngineSpec(manifest, dict(files), plan.device, cache.root, options)
+        runtime = start_engine(spec, package)
+    else:  # embeddings answer no streams; rank zero's engine steps its group in this process
+        runtime = load_runtime(
+            manifest,
+            files,
+            plan.device,
+            quarantine=cache.quarantine_if_corrupt,
+            group=leader.group if leader is not None else None,
+            on_group_failure=leader.collective_failed if leader is not None else None,
+            **options,
+        )
     ranks_text = ""
     if leader is not None:
         assert isinstance(runtime, GenerateRuntime)

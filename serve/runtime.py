@@ -313,22 +313,8 @@ class GenerateRuntime(Runtime):
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
         """Queue a request; raises ValueError for a prompt or budget this model cannot take."""
-        params.validate()
-        self._check_prompt(prompt_token_ids)
-        room = self.context_length - len(prompt_token_ids)
-        max_tokens = room if params.max_tokens is None else params.max_tokens
-        if max_tokens > room or room < 1:
-            raise ValueError(
-                f"the prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({max_tokens}) "
-                f"exceeds the context length of {self.context_length}"
-            )
+        max_tokens = token_budget(prompt_token_ids, params, self.context_length, self.vocab_size)
         return self.engine.submit(prompt_token_ids, params, max_tokens)
-
-    def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
 
     def kv_stats(self) -> dict[str, int]:
         return self.engine.kv_stats()
@@ -352,6 +338,26 @@ class GenerateRuntime(Runtime):
 
     def compilations_since_ready(self) -> Compilations:
         return compilations.snapshot() - self._ready
+
+
+def token_budget(
+    prompt: list[int], params: SamplingParams, context_length: int, vocab_size: int
+) -> int:
+    """The tokens a request may generate (its max_tokens, else the room left in the context);
+    raises ValueError for settings, a prompt or a budget this model cannot take."""
+    params.validate()
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if any(not 0 <= t < vocab_size for t in prompt):
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    room = context_length - len(prompt)
+    max_tokens = room if params.max_tokens is None else params.max_tokens
+    if max_tokens > room or room < 1:
+        raise ValueError(
+            f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
+            f"exceeds the context length of {context_length}"
+        )
+    return max_tokens
 
 
 class EmbedRuntime(Runtime):

@@ -51,13 +51,15 @@ def flare(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
 class Server:
     """A `flare serve` process and its base URL."""
 
-    def __init__(self, env: dict[str, str], *args: str) -> None:
+    def __init__(self, env: dict[str, str], *args: str, session: bool = False) -> None:
+        """`session`: in a process group of its own, which a test may signal whole."""
         self.process = subprocess.Popen(
             [sys.executable, "-m", "flare", "serve", *args, "--port", "0", "--device", "cpu"],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            start_new_session=session,
         )
         line = self.process.stdout.readline() if self.process.stdout else ""
         if "http://" not in line:

@@ -52,7 +52,7 @@ PR_SET_NAME = 15
 """prctl's option that names the calling thread for the OS (top -H, /proc/PID/task/TID/comm)."""
 
 
-def _name_os_thread(name: str) -> None:
+def name_os_thread(name: str) -> None:
     """Give the calling thread `name` where the OS shows threads (Linux; elsewhere nothing):
     Python names its threads for itself alone, and whoever watches a busy server (top -H,
     the benches' CPU per thread) needs to tell the engine from the API's event loop."""
@@ -127,6 +127,9 @@ class Engine:
         self._landed_at = 0.0
         self.overlap = runner.reads_fresh_tokens
         """Whether the next step is launched before the step in flight lands."""
+        self.after_step: Callable[[], None] | None = None
+        """Called on the engine thread after each step, whatever it emitted pushed: where the
+        deltas cross to another process, a step's deltas leave in one message."""
 
     # -- other threads --------------------------------------------------------------------
 
@@ -174,7 +177,7 @@ class Engine:
     # -- the engine thread ----------------------------------------------------------------
 
     def _loop(self) -> None:
-        _name_os_thread(ENGINE_THREAD)
+        name_os_thread(ENGINE_THREAD)
         while not (self._draining and not self._busy()):
             self._wake.wait()
             try:
@@ -182,6 +185,8 @@ class Engine:
             except Exception as exc:  # a fault of the engine's own: nothing in flight is sure
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(exc)
+            if self.after_step is not None:
+                self.after_step()
             if not self._busy() and self._inbox.empty():
                 self._wake.clear()
                 if not self._inbox.empty():  # posted between the check and the clear

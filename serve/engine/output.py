@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer
@@ -41,6 +41,11 @@ class Delta:
             logprobs if any(d.logprobs is not None for d in deltas) else None,
             deltas[-1].finish_reason,
         )
+
+
+def _move_all(handles: list[RequestHandle]) -> None:
+    for handle in handles:
+        handle._move_handed()
 
 
 class RequestFailed(RuntimeError):
@@ -117,6 +122,7 @@ class RequestHandle:
         self._async_queue: asyncio.Queue[Delta | BaseException] | None = None
         self._handed: list[Delta | BaseException] = []
         """Pushed for the loop, not yet moved to its queue (one wake-up moves them all)."""
+        self._forward: Callable[[Delta | BaseException], None] | None = None
         self.finished = False
 
     def cancel(self) -> None:
@@ -128,18 +134,36 @@ class RequestHandle:
         """Called by the engine thread. An async reader's loop is woken once for whatever
         was pushed before it ran (not once a token: a wake-up is a system call and a loop
         turn, which 64 streams would pay 64 times a step)."""
+        RequestHandle.push_all([(self, item)])
+
+    @staticmethod
+    def push_all(pushes: Iterable[tuple[RequestHandle, Delta | BaseException]]) -> None:
+        """Push to many handles at once, waking each readers' loop once for all of them (a
+        step's deltas for 64 streams, as the engine process's reader hands them over)."""
+        waking: dict[asyncio.AbstractEventLoop, list[RequestHandle]] = {}
+        for handle, item in pushes:
+            loop = handle._hand(item)
+            if loop is not None:
+                waking.setdefault(loop, []).append(handle)
+        for loop, handles in waking.items():
+            try:
+                loop.call_soon_threadsafe(_move_all, handles)
+            except RuntimeError:  # the consumers' loop closed: nobody is listening any more
+                for handle in handles:
+                    handle._cancel()
+
+    def _hand(self, item: Delta | BaseException) -> asyncio.AbstractEventLoop | None:
+        """Queue, forward or hand `item` over; the loop to wake for it, if one must be."""
         with self._lock:
+            if self._forward is not None:
+                self._forward(item)
+                return None
             if self._loop is None:
                 self._queue.put(item)
-                return
+                return None
             self._handed.append(item)
-            if len(self._handed) > 1:  # a wake-up is on its way and will take this too
-                return
-            loop = self._loop
-        try:
-            loop.call_soon_threadsafe(self._move_handed)
-        except RuntimeError:  # the consumer's loop closed: nobody is listening any more
-            self._cancel()
+            # more than one: a wake-up is on its way and will take this too
+            return self._loop if len(self._handed) == 1 else None
 
     def _move_handed(self) -> None:
         """On the reader's loop: what the engine pushed, into the queue the reader awaits."""
@@ -175,6 +199,14 @@ class RequestHandle:
         finally:
             if not self.finished:
                 self.cancel()
+
+    def forward(self, to: Callable[[Delta | BaseException], None]) -> None:
+        """Hand every item to `to` as it is pushed, those pushed before first (the engine
+        process's outbox: serve/engine_process.py); the handle is then not read."""
+        with self._lock:
+            self._forward = to
+            while not self._queue.empty():
+                to(self._queue.get())
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Switch delivery to the loop, moving over what arrived before."""

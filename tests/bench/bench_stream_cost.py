@@ -6,9 +6,11 @@ and shares the GIL with the engine thread: its cost per token bounds the tokens 
 HTTP carries whatever the GPU does (docs/performance.md, "Streaming over HTTP"). This script
 measures that cost on any machine: the seeded tiny Llama built eager, served by `flare serve`
 on the CPU, WIDTH streams of TOKENS tokens each from client processes (stream_load.py), and the
-server's CPU time by thread (/proc/PID/task/*/stat) read before and after the load: its main
-thread (the event loop), its engine thread (named flare-engine for the OS) and the rest (torch's
-threads, here running the forward).
+server's CPU time by thread (/proc/PID/task/*/stat, the engine process's threads included)
+read before and after the load: the API process's main thread (the event loop), the engine
+thread (named flare-engine for the OS), the two threads that carry deltas between the
+processes (flare-reader in the API process, flare-sender in the engine process) and the rest
+(torch's threads, here running the forward).
 
     python tests/bench/bench_stream_cost.py [--width 64] [--tokens 256] [--repeat 3] [--json]
 
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the test
 from bench_serve import prepare, start_server
 from stream_load import one_stream, streams
 
-ROLES = ("event_loop", "engine", "other")
+ROLES = ("event_loop", "engine", "reader", "sender", "other")
 
 
 def measure(url: str, pid: int, width: int, tokens: int) -> dict[str, float]:

@@ -28,7 +28,10 @@ PROCESSES = 8
 START_DELAY_S = 2.0
 """How far ahead the common start is set, so every client process is up and waiting."""
 ENGINE_THREAD = "flare-engine"
-"""The OS name of the server's engine thread (serve/engine/engine.py)."""
+READER_THREAD = "flare-reader"
+SENDER_THREAD = "flare-sender"
+"""The OS names of the server's engine thread (serve/engine/engine.py) and of the threads
+that carry deltas between its two processes (serve/engine_process.py)."""
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -100,19 +103,50 @@ def one_stream(url: str, name: str, prompt: str, tokens: int) -> Streamed:
 
 
 def server_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) the server `pid` has spent, by role: its main thread (the
-    API's event loop), its engine thread, and all its other threads together."""
-    spent = {"event_loop": 0.0, "engine": 0.0, "other": 0.0}
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    """CPU seconds (user + system) the server `pid` and its child processes (the engine
+    process) have spent, by role: the API's main thread (its event loop), the engine thread,
+    the threads that carry deltas between the two processes (the API's reader, the engine's
+    sender), and every other thread together."""
+    spent = dict.fromkeys(("event_loop", "engine", "reader", "sender", "other"), 0.0)
+    for task in _tasks(pid):
         try:
             name = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            seconds = _on_cpu(task)
         except FileNotFoundError:  # a thread that ended meanwhile
             continue
-        role = "event_loop" if task.name == str(pid) else "other"
-        role = "engine" if name == ENGINE_THREAD else role
-        spent[role] += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        role = "event_loop" if task.name == str(pid) else THREAD_ROLES.get(name, "other")
+        spent[role] += seconds
     return spent
+
+
+def _on_cpu(task: Path) -> float:
+    """A thread's time on a CPU: the scheduler's own count in nanoseconds (schedstat), else
+    user + system time in clock ticks (stat), which charges a whole 10 ms tick to whichever
+    thread the tick finds running and so blurs threads that run briefly and often."""
+    try:
+        return int((task / "schedstat").read_text().split()[0]) / 1e9
+    except FileNotFoundError:
+        if not task.exists():
+            raise
+    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+THREAD_ROLES = {ENGINE_THREAD: "engine", READER_THREAD: "reader", SENDER_THREAD: "sender"}
+
+
+def _tasks(pid: int) -> list[Path]:
+    """Every thread of `pid` and of its descendants."""
+    tasks = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        tasks.append(task)
+        try:
+            children = (task / "children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for child in children:
+            tasks += _tasks(int(child))
+    return tasks
 
 
 @dataclass(frozen=True)

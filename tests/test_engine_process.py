@@ -1,0 +1,124 @@
+"""`flare serve` runs a generating package's engine in a process of its own
+(serve/engine_process.py). What a user relies on across that boundary:
+
+- A terminal's Ctrl-C reaches every process of the group, the engine's too: the engine
+  ignores it, the streams in flight end whole, and the server exits 0.
+- An engine process that dies (killed, out of memory) fails the requests in flight at once
+  with the cause, /health answers 503 saying it, new requests are refused with 503, and the
+  server still stops cleanly.
+- A load error raised in the engine process reaches the user as the one-line flare error it
+  was, with its exit code (tests/test_load_verify.py: a rotten weight blob, found and
+  quarantined by the engine process, exits 6 with the blob named).
+- The runtime's figures (/metrics) are the engine's own, read across the boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from test_serve import Server, build_home, flare_env
+from test_serve_faults import stream_completion
+
+STREAM_TOKENS = 480
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_home(tmp_path_factory.mktemp("engine-process"))
+
+
+def engine_pid(server: Server) -> int:
+    """The server's engine process: its child that multiprocessing spawned (the other one is
+    multiprocessing's resource tracker)."""
+    pid = server.process.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    engines = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(engines) == 1, children
+    return int(engines[0])
+
+
+def start_streams(server: Server, count: int) -> tuple[list[threading.Thread], list[Any]]:
+    """`count` long greedy streams on threads, returned once the engine is generating."""
+    streams: list[Any] = []
+    threads = [
+        threading.Thread(target=stream_completion, args=(server.url, streams)) for _ in range(count)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while server.metric("flare_generated_tokens_total") < 5:
+        assert time.monotonic() < deadline, "the streams never started"
+        time.sleep(0.01)
+    return threads, streams
+
+
+def test_ctrl_c_to_the_whole_group_finishes_the_streams_and_exits_0(home: Path) -> None:
+    server = Server(flare_env(home), "tiny", "--kv-cache-tokens", "512", session=True)
+    engine = engine_pid(server)
+    threads, streams = start_streams(server, 2)
+    os.killpg(server.process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    for thread in threads:
+        thread.join(timeout=120)
+    _, stderr = server.process.communicate(timeout=60)
+    assert server.process.returncode == 0, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert not Path(f"/proc/{engine}").exists() or _zombie(engine)
+    assert len(streams) == 2
+    for stream in streams:
+        assert not isinstance(stream, Exception), stream
+        status, events = stream
+        assert status == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == STREAM_TOKENS
+
+
+def _zombie(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+
+
+def test_a_killed_engine_fails_the_streams_in_flight_and_health_says_why(home: Path) -> None:
+    server = Server(flare_env(home), "tiny", "--kv-cache-tokens", "512")
+    threads, streams = start_streams(server, 2)
+    os.kill(engine_pid(server), signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "a stream outlived its engine"
+    health = httpx.get(f"{server.root}/health", timeout=10)
+    request = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+    refused = httpx.post(f"{server.url}/completions", json=request, timeout=30)
+    metrics = httpx.get(f"{server.root}/metrics", timeout=10)
+    code, stderr = server.stop()
+
+    cause = "the engine process was killed by SIGKILL"
+    assert health.status_code == 503 and health.json() == {"status": "failed", "error": cause}
+    assert refused.status_code == 503, refused.text
+    assert metrics.status_code == 200
+    assert code == 0, stderr
+    assert cause in stderr and "Traceback" not in stderr
+    for stream in streams:
+        assert not isinstance(stream, Exception), stream
+        status, events = stream
+        assert status == 200 and events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert cause in error["message"] and error["type"] == "server_error", error
+
+
+def test_metrics_are_the_engines_own_figures(home: Path) -> None:
+    server = Server(flare_env(home), "tiny")
+    try:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 7, "temperature": 0}
+        body["ignore_eos"] = True
+        reply = httpx.post(f"{server.url}/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert server.metric("flare_generated_tokens_total") == 7
+        assert server.metric("flare_requests_finished_total") == 1
+        assert server.metric("flare_kv_blocks_used") == 0
+    finally:
+        assert server.stop()[0] == 0
