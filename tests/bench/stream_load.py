@@ -102,12 +102,12 @@ def one_stream(url: str, name: str, prompt: str, tokens: int) -> Streamed:
     return asyncio.run(_share(url, [completion_body(name, prompt, tokens)], time.time()))[0]
 
 
-def server_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) the server `pid` and its child processes (the engine
-    process) have spent, by role: the API's main thread (its event loop), the engine thread,
-    the threads that carry deltas between the two processes (the API's reader, the engine's
-    sender), and every other thread together."""
-    spent = dict.fromkeys(("event_loop", "engine", "reader", "sender", "other"), 0.0)
+def thread_cpu(pid: int) -> dict[Path, tuple[str, float]]:
+    """Every thread of the server `pid` and of its child processes (the engine process): its
+    role and the CPU seconds it has spent. Roles: the API's main thread (its event loop), the
+    engine thread, the threads that carry deltas between the two processes (the API's reader,
+    the engine's sender), and every other thread."""
+    threads = {}
     for task in _tasks(pid):
         try:
             name = (task / "comm").read_text().strip()
@@ -115,7 +115,17 @@ def server_cpu(pid: int) -> dict[str, float]:
         except FileNotFoundError:  # a thread that ended meanwhile
             continue
         role = "event_loop" if task.name == str(pid) else THREAD_ROLES.get(name, "other")
-        spent[role] += seconds
+        threads[task] = (role, seconds)
+    return threads
+
+
+def server_cpu(pid: int, before: dict[Path, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds by role since `before` (thread_cpu's): a thread alive at both reads counts
+    its difference, a new one all it spent; one that ended in between is left out (what it
+    spent after `before` is lost with it, rather than all it ever spent subtracted)."""
+    spent = dict.fromkeys(("event_loop", "engine", "reader", "sender", "other"), 0.0)
+    for task, (role, seconds) in thread_cpu(pid).items():
+        spent[role] += seconds - before.get(task, (role, 0.0))[1]
     return spent
 
 
@@ -181,7 +191,7 @@ def streams(url: str, name: str, prompts: list[str], tokens: int, pid: int | Non
     """All `prompts` streamed at once (`tokens` each, end of sequence ignored) from up to
     PROCESSES client processes (spawned: the bench process may hold a CUDA context); with the
     server's `pid`, its CPU time by role over the load (`server_cpu`)."""
-    before = server_cpu(pid) if pid is not None else None
+    before = thread_cpu(pid) if pid is not None else None
     bodies = [completion_body(name, prompt, tokens) for prompt in prompts]
     processes = min(PROCESSES, len(bodies))
     shares = [bodies[i::processes] for i in range(processes)]
@@ -190,7 +200,7 @@ def streams(url: str, name: str, prompts: list[str], tokens: int, pid: int | Non
         done = pool.starmap(_run_share, [(url, share, start_at) for share in shares])
     cpu = None
     if pid is not None and before is not None:
-        cpu = {role: spent - before[role] for role, spent in server_cpu(pid).items()}
+        cpu = server_cpu(pid, before)
     every = [s for share in done for s in share]
     span = max(s.ended for s in every) - min(s.started for s in every)
     firsts = sorted(s.first - s.started for s in every)
