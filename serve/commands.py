@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from contextlib import closing
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
@@ -173,46 +174,50 @@ def serve_command(
 
     require_serve_extra()
     limits = _body_limits(max_body_size, body_timeout)
-    from flare.build.commands import build_to_serve, is_source
-    from flare.serve.launch import serving_leases
-    from flare.serve.server import listen, run_server, url_of
+    from flare.serve.engine_process import EngineProcess
 
-    sock = listen(host, port)
-    if is_source(ref):  # a checkpoint folder or hub id: build it first, as vllm serve does
-        ref = build_to_serve(ref, registry)
-    times = {"start": time.perf_counter()}
-    source, cache, report = pull_into_cache(
-        ref, registry, device, revision, accept, compile_on_start, (0,) if rendezvous else None
-    )
-    plan = report.plan
-    times["pulled"] = time.perf_counter()
-    with serving_leases(source, cache, plan, url_of(sock)):
-        leader = None
-        if plan.manifest.ranks > 1 or rendezvous is not None:
-            leader = start_ranks(plan, rendezvous, ranks, timeout)
-        try:
-            runtime, app = load_package_app(
-                source,
-                cache,
-                plan,
-                kv_cache_tokens,
-                api_key,
-                attention.value,
-                limits,
-                "start" if compile_on_start else "package",
-                leader,
-                cuda_graphs,
-            )
-        except BaseException as exc:
+    with closing(EngineProcess()) as engine:  # its imports run beside this process's and pull
+        from flare.build.commands import build_to_serve, is_source
+        from flare.serve.launch import serving_leases
+        from flare.serve.server import listen, run_server, url_of
+
+        sock = listen(host, port)
+        if is_source(ref):  # a checkpoint folder or hub id: build it first, as vllm serve does
+            ref = build_to_serve(ref, registry)
+        times = {"start": time.perf_counter()}
+        source, cache, report = pull_into_cache(
+            ref, registry, device, revision, accept, compile_on_start, (0,) if rendezvous else None
+        )
+        plan = report.plan
+        times["pulled"] = time.perf_counter()
+        with serving_leases(source, cache, plan, url_of(sock)):
+            leader = None
+            if plan.manifest.ranks > 1 or rendezvous is not None:
+                leader = start_ranks(plan, rendezvous, ranks, timeout)
+            try:
+                runtime, app = load_package_app(
+                    source,
+                    cache,
+                    plan,
+                    kv_cache_tokens,
+                    api_key,
+                    attention.value,
+                    limits,
+                    "start" if compile_on_start else "package",
+                    leader,
+                    cuda_graphs,
+                    engine,
+                )
+            except BaseException as exc:
+                if leader is not None:
+                    leader.abandon(f"rank 0 could not load its part: {exc}")
+                raise
+            times["loaded"] = time.perf_counter()
+            if runtime.memory_plan is not None:
+                err.print(runtime.memory_plan.describe(), markup=False)
+            run_server(app, runtime, sock, _say_ready(plan, runtime, times))
             if leader is not None:
-                leader.abandon(f"rank 0 could not load its part: {exc}")
-            raise
-        times["loaded"] = time.perf_counter()
-        if runtime.memory_plan is not None:
-            err.print(runtime.memory_plan.describe(), markup=False)
-        run_server(app, runtime, sock, _say_ready(plan, runtime, times))
-        if leader is not None:
-            leader.close()
+                leader.close()
 
 
 def _body_limits(max_body_size: str | None, body_timeout: str | None) -> BodyLimits:

@@ -30,6 +30,7 @@ from flare.sign.commands import warn_accepted
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from flare.serve.engine_process import EngineProcess
     from flare.serve.limits import BodyLimits
     from flare.serve.rank_leader import RankLeader
     from flare.serve.rank_start import PackageNotice
@@ -115,12 +116,15 @@ def load_package_app(
     compile_mode: str = "package",
     leader: RankLeader | None = None,
     cuda_graphs: bool = True,
+    engine: EngineProcess | None = None,
 ) -> tuple[Runtime, FastAPI]:
     """Load the pulled package on the device pull admitted it for (printing what it cost)
-    and make its API app; a multi-rank package as rank zero of `leader`'s group, once every
-    rank has loaded its part."""
+    and make its API app: a generating package in an engine process (`engine`, started
+    early, else a new one: serve/engine_process.py), an embedding one here; a multi-rank
+    package here as rank zero of `leader`'s group, once every rank has loaded its part."""
     from flare.serve.api import ServedPackage, create_app
-    from flare.serve.engine_process import EngineSpec, start_engine
+    from flare.serve.engine_client import start_engine
+    from flare.serve.engine_process import EngineSpec
     from flare.serve.models import model_kind
     from flare.serve.models.files import PackageFiles
     from flare.serve.runtime import GenerateRuntime, load_runtime
@@ -140,8 +144,10 @@ def load_package_app(
     runtime: Runtime
     if leader is None and model_kind(package) == "generate":
         spec = EngineSpec(manifest, dict(files), plan.device, cache.root, options)
-        runtime = start_engine(spec, package)
+        runtime = start_engine(spec, package, engine)
     else:  # embeddings answer no streams; rank zero's engine steps its group in this process
+        if engine is not None:
+            engine.close()
         runtime = load_runtime(
             manifest,
             files,

@@ -157,7 +157,11 @@ class Runtime:
     attention = ""
     """The attention backend a generating runtime runs (make_attention's name for it)."""
     failure: str | None = None
-    """Why the runtime can serve no more (a tensor-parallel rank was lost): /health says it."""
+    """Why the runtime can serve no more (a tensor-parallel rank was lost, the engine process
+    died): /health says it."""
+    on_lost: Callable[[], None] | None = None
+    """Called, from any thread, once the runtime can serve no more: the server stops on it
+    (serve/server.py) and exits non-zero, so that a supervisor starts it again."""
 
     def __init__(self, package: PackageFiles, context_length: int) -> None:
         self.package = package

@@ -50,6 +50,11 @@ class _Server(uvicorn.Server):
         self.config.timeout_graceful_shutdown = max(0.0, left)
         await super().shutdown(sockets)
 
+    def stop_soon(self) -> None:
+        """From any thread: begin the graceful shutdown a stop signal begins (uvicorn's main
+        loop looks at should_exit every tenth of a second)."""
+        self.should_exit = True
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Begin a graceful shutdown; unlike uvicorn, do not re-raise the signal afterwards,
         so a drained server exits 0."""
@@ -99,12 +104,18 @@ def run_server(
     app: FastAPI, runtime: Runtime, sock: socket.socket, on_ready: Callable[[str], None]
 ) -> None:
     """Serve on a bound socket until a stop signal, then finish in-flight requests and stop
-    the engine."""
+    the engine. A runtime that can serve no more (its engine process died) stops the server
+    as a signal would, and the server then fails with its cause (exit 1), for a supervisor
+    to start it again."""
+    server = _Server(_config(app), app, on_ready)
+    runtime.on_lost = server.stop_soon
     runtime.start()
     try:
-        _Server(_config(app), app, on_ready).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         runtime.stop(drain=True)
+    if runtime.failure is not None:
+        raise FlareError(f"the server stopped: {runtime.failure}", "start it again")
 
 
 @contextmanager

@@ -146,10 +146,15 @@ class Server:
         return httpx.get(f"{self.root}/metrics").text
 
     def ranks(self) -> list[int]:
-        """The pids of the rank processes rank zero started."""
+        """The pids of the rank processes rank zero started (`flare join`; not the
+        resource tracker of multiprocessing, nor an engine process)."""
         pid = self.process.pid
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        return [int(child) for child in children]
+        return [
+            int(child)
+            for child in children
+            if b"join" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        ]
 
     def stop(self) -> tuple[int, str]:
         self.process.send_signal(signal.SIGTERM)

@@ -22,7 +22,6 @@ from flare.registry.refs import read_manifest
 from flare.registry.registry import Registry
 from flare.serve.engine.attention import TorchPagedAttention
 from flare.serve.engine.block_manager import BlockManager
-from flare.serve.engine.engine import ENGINE_THREAD
 from flare.serve.engine.output import REPLACEMENT, TextStream
 from flare.serve.engine.runner import FreshTokens, ModelRunner
 from flare.serve.engine.sequence import Sequence
@@ -37,6 +36,7 @@ from flare.serve.runtime import (
     SamplingParams,
     load_runtime,
 )
+from flare.serve.thread_names import ENGINE_THREAD
 from flare.store.package import Manifest
 
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)

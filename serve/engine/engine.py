@@ -21,7 +21,6 @@ launched, then the tokens are detokenized and streamed.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import sys
@@ -38,6 +37,7 @@ from flare.serve.engine.runner import FreshTokens, ModelRunner
 from flare.serve.engine.sampler import Sampled, Sampler
 from flare.serve.engine.scheduler import ScheduledBatch, Scheduler
 from flare.serve.engine.sequence import SamplingParams, Sequence, TokenLogprob
+from flare.serve.thread_names import ENGINE_THREAD, name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -46,22 +46,6 @@ GIL_SWITCH_SECONDS = 0.00025
 default: 5 ms). The engine thread and the API's event loop share the GIL: with the default,
 each of the engine's calls that lets go of it (a graph replay, a wait for the device) could
 cost it up to 5 ms to get it back from an event loop busy streaming, several times a step."""
-
-
-PR_SET_NAME = 15
-"""prctl's option that names the calling thread for the OS (top -H, /proc/PID/task/TID/comm)."""
-
-
-def name_os_thread(name: str) -> None:
-    """Give the calling thread `name` where the OS shows threads (Linux; elsewhere nothing):
-    Python names its threads for itself alone, and whoever watches a busy server (top -H,
-    the benches' CPU per thread) needs to tell the engine from the API's event loop."""
-    if sys.platform == "linux":  # the process's own symbols include libc's prctl
-        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-
-
-ENGINE_THREAD = "flare-engine"
-"""The engine thread's name, in Python and for the OS."""
 
 
 class EngineStopping(RuntimeError):

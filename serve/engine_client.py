@@ -1,0 +1,206 @@
+"""The API process's side of the engine process (serve/engine_process.py, which says why
+the engine runs apart and what crosses the pipe): start it, have it load the package, and an
+`EngineClient` that the API uses as it would the runtime itself.
+
+A load failure in the engine process is raised here as the flare error it was, exit code
+included. If the engine process dies (killed, out of memory), every request in flight fails at
+once with the cause, new ones are refused, /health answers 503 saying it, and the server stops
+(`Runtime.on_lost`) and exits 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import signal
+import threading
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from flare.errors import FlareError
+from flare.serve.engine.engine import EngineStopping
+from flare.serve.engine.output import Delta, RequestHandle
+from flare.serve.engine_process import STOP_TIMEOUT_S, EngineProcess, EngineSpec, Event, Ready
+from flare.serve.models.files import PackageFiles
+from flare.serve.runtime import Runtime, SamplingParams, token_budget
+from flare.serve.thread_names import READER_THREAD, name_os_thread
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 30.0
+
+
+def start_engine(
+    spec: EngineSpec, package: PackageFiles, engine: EngineProcess | None = None
+) -> EngineClient:
+    """Have `engine` (else a new engine process) load the package and wait until it has; its
+    load error is raised here as the flare error it was. `package` is the same package, read
+    here for the tokenizer, chat template and settings the API needs."""
+    engine = engine or EngineProcess()
+    engine.taken = True
+    ours, process = engine.conn, engine.process
+    try:
+        ours.send(("load", spec))
+        kind, value = ours.recv()
+    except (EOFError, OSError):
+        process.join()
+        raise FlareError(
+            f"the engine process {_exit_text(process.exitcode)} while it loaded "
+            f"{spec.manifest.name}",
+            "see the messages above; out of memory is the usual cause",
+        ) from None
+    except BaseException:  # interrupted while it loads: it ignores signals, so stop it here
+        process.kill()
+        raise
+    if kind == "failed":
+        process.join()
+        raise value.error()
+    return EngineClient(process, ours, package, value)
+
+
+class EngineClient(Runtime):
+    """The runtime as the API process sees it: requests go to the engine process, their
+    deltas come back to RequestHandles here, read by the API as from an in-process runtime."""
+
+    kind = "generate"
+
+    def __init__(
+        self, process: BaseProcess, conn: Connection, package: PackageFiles, ready: Ready
+    ) -> None:
+        super().__init__(package, ready.context_length)
+        package.weights_read = ready.weights_read
+        self.vocab_size = ready.vocab_size
+        self.attention = ready.attention
+        self.start_report = ready.start_report
+        self.memory_plan = ready.memory_plan
+        self._process = process
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        """Guards the open requests and calls against the engine's loss."""
+        self._handles: dict[int, RequestHandle] = {}
+        self._calls: dict[int, Future[Any]] = {}
+        self._ids = itertools.count()
+        self._accepting = True
+        self._reader = threading.Thread(target=self._read, name=READER_THREAD, daemon=True)
+        self._reader.start()
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request in the engine process; raises ValueError for a prompt or budget
+        this model cannot take, EngineStopping once stopping (or once the engine is lost)."""
+        token_budget(prompt_token_ids, params, self.context_length, self.vocab_size)
+        rid = next(self._ids)
+        handle = RequestHandle(rid, lambda: self._send(("cancel", rid)))
+        with self._lock:
+            if not self._accepting or self.failure is not None:
+                raise EngineStopping("the engine is stopping and takes no new requests")
+            self._handles[rid] = handle
+        self._send(("submit", rid, prompt_token_ids, params))
+        return handle
+
+    def stats(self) -> dict[str, float]:
+        return self._call("stats")
+
+    def kv_stats(self) -> dict[str, int]:
+        return self._call("kv_stats")
+
+    def stop(self, drain: bool = True) -> None:
+        """Stop the engine process: it finishes (drain) or cancels its requests, then exits;
+        one that outlives STOP_TIMEOUT_S is killed."""
+        with self._lock:
+            self._accepting = False
+        self._send(("stop", drain))
+        self._reader.join(STOP_TIMEOUT_S)
+        self._process.join(1 if self._reader.is_alive() else STOP_TIMEOUT_S)
+        if self._process.is_alive():
+            log.error("the engine process did not stop in time; killing it")
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+
+    def _call(self, name: str) -> Any:
+        """A runtime method's value from the engine process ({} once the engine is lost)."""
+        cid = next(self._ids)
+        future: Future[Any] = Future()
+        with self._lock:
+            if self.failure is not None:
+                return {}
+            self._calls[cid] = future
+        self._send(("call", cid, name))
+        return future.result(CALL_TIMEOUT_S)
+
+    def _send(self, message: Event) -> None:
+        """To the engine process; once it is gone, nothing (the reader fails what was open)."""
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except OSError:
+            pass
+
+    def _read(self) -> None:
+        """The reader thread: the engine process's events, to their handles and calls, until
+        it says it stopped; a pipe that breaks first means the engine process is lost."""
+        name_os_thread(READER_THREAD)
+        try:
+            while True:
+                message = self._conn.recv()
+                if message[0] == "stopped":
+                    return
+                self._dispatch(message[1])
+        except (EOFError, OSError):
+            self._lost()
+
+    def _dispatch(self, events: list[Event]) -> None:
+        """One message's events: replies to their calls, outputs pushed to their handles
+        together (the readers' loop woken once for all of them)."""
+        pushes = []
+        with self._lock:
+            for kind, key, value in events:
+                if kind == "reply":
+                    _settle(self._calls.pop(key), value)
+                    continue
+                item = Delta(*value) if isinstance(value, tuple) else value
+                handle = self._handles.get(key)
+                if handle is not None:
+                    pushes.append((handle, item))
+                    if _final(item):
+                        del self._handles[key]
+        RequestHandle.push_all(pushes)
+
+    def _lost(self) -> None:
+        """The engine process ended without being told to: fail everything open, refuse the
+        rest, say why on /health."""
+        self._process.join(5)
+        cause = f"the engine process {_exit_text(self._process.exitcode)}"
+        log.error("%s; failing the requests in flight", cause)
+        with self._lock:
+            self.failure = cause
+            handles, self._handles = self._handles, {}
+            calls, self._calls = self._calls, {}
+        for handle in handles.values():
+            handle.push(RuntimeError(cause))
+        for future in calls.values():
+            future.set_result({})
+        if self.on_lost is not None:
+            self.on_lost()
+
+
+def _settle(future: Future[Any], value: Any) -> None:
+    if isinstance(value, BaseException):
+        future.set_exception(value)
+    else:
+        future.set_result(value)
+
+
+def _final(item: Delta | BaseException) -> bool:
+    return isinstance(item, BaseException) or item.finish_reason is not None
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
