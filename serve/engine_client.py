@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import signal
+import sys
 import threading
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
@@ -20,7 +21,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from flare.errors import FlareError
-from flare.serve.engine.engine import EngineStopping
+from flare.serve.engine.engine import GIL_SWITCH_SECONDS, EngineStopping
 from flare.serve.engine.output import Delta, RequestHandle
 from flare.serve.engine_process import STOP_TIMEOUT_S, EngineProcess, EngineSpec, Event, Ready
 from flare.serve.models.files import PackageFiles
@@ -84,6 +85,7 @@ class EngineClient(Runtime):
         self._calls: dict[int, Future[Any]] = {}
         self._ids = itertools.count()
         self._accepting = True
+        sys.setswitchinterval(GIL_SWITCH_SECONDS)
         self._reader = threading.Thread(target=self._read, name=READER_THREAD, daemon=True)
         self._reader.start()
 

@@ -21,7 +21,7 @@ The process is started before the API process knows what it will load (`flare se
 it first, so that its imports, torch's above all, overlap the pull); it imports the runtime
 only once it ignores SIGINT and SIGTERM (a terminal's Ctrl-C reaches both processes, and the
 API process drains the engine after its own requests). It stops when its pipe closes (the API
-process is gone, or did not need it).
+process is gone); one that was not given a package is killed (it holds nothing yet).
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -101,8 +103,9 @@ def test_a_killed_engine_fails_the_streams_in_flight_and_stops_the_server_with_e
     assert server.process.returncode == 1, stderr
     assert f"error: the server stopped: {cause}; start it again" in stderr
     assert "Traceback" not in stderr
-    assert health.status_code == 503
-    assert health.json() in ({"status": "failed", "error": cause}, {"status": "draining"})
+    if health is not None:  # else the server had stopped listening before the first look
+        assert health.status_code == 503
+        assert health.json() in ({"status": "failed", "error": cause}, {"status": "draining"})
     for stream in streams:
         assert not isinstance(stream, Exception), stream
         status, events = stream
@@ -111,13 +114,18 @@ def test_a_killed_engine_fails_the_streams_in_flight_and_stops_the_server_with_e
         assert cause in error["message"] and error["type"] == "server_error", error
 
 
-def wait_not_ok(root: str) -> httpx.Response:
-    """/health's first answer that is not 200."""
+def wait_not_ok(root: str) -> httpx.Response | None:
+    """/health's first answer that is not 200; None if the server closed its socket first."""
     deadline = time.monotonic() + 20
-    while (health := httpx.get(f"{root}/health", timeout=10)).status_code == 200:
-        assert time.monotonic() < deadline, "/health never stopped saying ok"
+    while time.monotonic() < deadline:
+        try:
+            health = httpx.get(f"{root}/health", timeout=10)
+        except httpx.ConnectError:
+            return None
+        if health.status_code != 200:
+            return health
         time.sleep(0.01)
-    return health
+    raise AssertionError("/health never stopped saying ok")
 
 
 def test_metrics_are_the_engines_own_figures(home: Path) -> None:
@@ -132,3 +140,46 @@ def test_metrics_are_the_engines_own_figures(home: Path) -> None:
         assert server.metric("flare_kv_blocks_used") == 0
     finally:
         assert server.stop()[0] == 0
+
+
+def processes_of(home: Path) -> list[int]:
+    """Every live process started with this FLARE_HOME (a server, its engine process)."""
+    marker = f"FLARE_HOME={home}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().split(") ")[1]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if marker in environ and not state.startswith("Z"):
+            found.append(int(entry.name))
+    return found
+
+
+def test_an_embedding_package_is_served_without_an_engine_process(home: Path) -> None:
+    server = Server(flare_env(home), "minilm")
+    try:
+        pid = server.process.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        spawned = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert spawned == [], "the engine process started early was not let go"
+        body = {"model": "minilm", "input": ["blobs are named by their digest"]}
+        assert httpx.post(f"{server.url}/embeddings", json=body, timeout=60).status_code == 200
+    finally:
+        assert server.stop()[0] == 0
+
+
+def test_a_serve_that_fails_before_loading_leaves_no_process_behind(home: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "flare", "serve", "no-such-package", "--port", "0"],
+        env=flare_env(home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3, done.stderr
+    assert "Traceback" not in done.stderr
+    assert processes_of(home) == []
