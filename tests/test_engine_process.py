@@ -19,15 +19,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from test_serve import Server, build_home, flare_env
-from test_serve_faults import stream_completion
+from test_serve_faults import start_streams
 
 STREAM_TOKENS = 480
 
@@ -45,21 +43,6 @@ def engine_pid(server: Server) -> int:
     engines = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
     assert len(engines) == 1, children
     return int(engines[0])
-
-
-def start_streams(server: Server, count: int) -> tuple[list[threading.Thread], list[Any]]:
-    """`count` long greedy streams on threads, returned once the engine is generating."""
-    streams: list[Any] = []
-    threads = [
-        threading.Thread(target=stream_completion, args=(server.url, streams)) for _ in range(count)
-    ]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 30
-    while server.metric("flare_generated_tokens_total") < 5:
-        assert time.monotonic() < deadline, "the streams never started"
-        time.sleep(0.01)
-    return threads, streams
 
 
 def test_ctrl_c_to_the_whole_group_finishes_the_streams_and_exits_0(home: Path) -> None:

@@ -182,6 +182,21 @@ def stream_completion(url: str, out: list[Any]) -> None:
         out.append(exc)
 
 
+def start_streams(server: Server, count: int) -> tuple[list[threading.Thread], list[Any]]:
+    """`count` long greedy streams on threads, returned once the engine is generating."""
+    streams: list[Any] = []
+    threads = [
+        threading.Thread(target=stream_completion, args=(server.url, streams)) for _ in range(count)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while server.metric("flare_generated_tokens_total") < 5:
+        assert time.monotonic() < deadline, "the streams never started"
+        time.sleep(0.01)
+    return threads, streams
+
+
 def wait_draining(root: str) -> httpx.Response:
     """/health's first answer that is not 200 (the drain has begun)."""
     deadline = time.monotonic() + 20
@@ -197,16 +212,7 @@ def test_a_request_while_draining_gets_503_and_the_streams_in_flight_end_whole(
     """The KV cache holds one full context, so the four streams run one after another and
     the drain has seconds of work left when the new requests come."""
     server = Server(flare_env(home), "tiny", "--kv-cache-tokens", "512")
-    streams: list[Any] = []
-    threads = [
-        threading.Thread(target=stream_completion, args=(server.url, streams)) for _ in range(4)
-    ]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 30
-    while server.metric("flare_generated_tokens_total") < 5:
-        assert time.monotonic() < deadline, "the streams never started"
-        time.sleep(0.01)
+    threads, streams = start_streams(server, 4)
     server.process.send_signal(signal.SIGTERM)
 
     health = wait_draining(server.root)
