@@ -10,6 +10,7 @@ once with the cause, new ones are refused, /health answers 503 saying it, and th
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import signal
@@ -135,11 +136,8 @@ class EngineClient(Runtime):
 
     def _send(self, message: Event) -> None:
         """To the engine process; once it is gone, nothing (the reader fails what was open)."""
-        try:
-            with self._send_lock:
-                self._conn.send(message)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), self._send_lock:
+            self._conn.send(message)
 
     def _read(self) -> None:
         """The reader thread: the engine process's events, to their handles and calls, until

@@ -220,13 +220,18 @@ class _EngineSide:
             handle = self.handles.get(key)
             if handle is not None:
                 handle.cancel()
-        elif kind == "call" and rest[0] in CALLS:
-            try:
-                value = getattr(self.runtime, rest[0])()
-            except Exception as exc:
-                value = exc
-            self.gather(("reply", key, value))
+        elif kind == "call":
+            self.gather(("reply", key, self._call(rest[0])))
             self.flush()
+
+    def _call(self, name: str) -> Any:
+        """The runtime method's value, or the exception that the API process raises for it."""
+        if name not in CALLS:
+            return ValueError(f"the engine process answers no call {name!r}")
+        try:
+            return getattr(self.runtime, name)()
+        except Exception as exc:
+            return _portable(exc)
 
     def _submit(self, rid: int, prompt: list[int], params: SamplingParams) -> None:
         try:
