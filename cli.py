@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from contextlib import closing
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
@@ -74,13 +75,15 @@ def demo_command(as_json: JsonOption = False) -> None:
     """The main job on the embedded default: a tiny seeded model built, published, signed with
     a development key, pulled, served, and asked one question over the HTTP API."""
     from flare.build.commands import build_demo, print_build
+    from flare.serve.engine_process import EngineProcess
     from flare.serve.launch import ask_served, require_serve_extra
 
     require_serve_extra("flare demo")
-    result = build_demo()
-    if not as_json:
-        print_build(result, as_json)
-    answer = ask_served(f"{result.name}@{result.digest.hex}", DEMO_QUESTION)
+    with closing(EngineProcess()) as engine:  # its start-up runs beside the build
+        result = build_demo()
+        if not as_json:
+            print_build(result, as_json)
+        answer = ask_served(f"{result.name}@{result.digest.hex}", DEMO_QUESTION, engine)
     if as_json:
         phases = [asdict(p) for p in result.phases]
         print_json({"name": result.name, "digest": str(result.digest), "phases": phases} | answer)

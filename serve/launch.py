@@ -273,14 +273,15 @@ def serving_leases(source: Registry, cache: HostCache, plan: PullPlan, url: str)
         yield
 
 
-def ask_served(ref: str, question: str) -> dict[str, Any]:
-    """Pull REF, serve it on a free loopback port, ask one chat question, stop the server."""
+def ask_served(ref: str, question: str, engine: EngineProcess | None = None) -> dict[str, Any]:
+    """Pull REF, serve it on a free loopback port (a generating model in `engine`, started
+    early, else in a new engine process), ask one chat question, stop the server."""
     import httpx
 
     from flare.serve.server import background_server
 
     source, cache, pulled = pull_into_cache(ref, None, None, None, None)
-    runtime, api = load_package_app(source, cache, pulled.plan, None, None)
+    runtime, api = load_package_app(source, cache, pulled.plan, None, None, engine=engine)
     body = {
         "model": pulled.plan.manifest.name,
         "messages": [{"role": "user", "content": question}],
