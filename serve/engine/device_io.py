@@ -18,8 +18,9 @@ def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 def settle(event: torch.cuda.Event | None) -> None:
     """Wait for the device to pass `event` (None: nothing to wait for). The engine thread
-    shares the GIL with the API's event loop, and a wait lets go of it, after which getting it
-    back can take a switch interval: an event already passed, as most are by the time the
-    engine asks, is taken without a wait."""
+    shares the GIL with its process's other threads (the engine process's sender; in-process,
+    the API's event loop), and a wait lets go of it, after which getting it back can take a
+    switch interval: an event already passed, as most are by the time the engine asks, is
+    taken without a wait."""
     if event is not None and not event.query():
         event.synchronize()

@@ -43,9 +43,11 @@ log = logging.getLogger(__name__)
 
 GIL_SWITCH_SECONDS = 0.00025
 """How long a thread that wants the GIL waits before the holder must hand it over (Python's
-default: 5 ms). The engine thread and the API's event loop share the GIL: with the default,
-each of the engine's calls that lets go of it (a graph replay, a wait for the device) could
-cost it up to 5 ms to get it back from an event loop busy streaming, several times a step."""
+default: 5 ms). The engine thread shares the GIL with its process's other threads (the
+engine process's sender and command threads; in-process, the API's event loop): with the
+default, each of the engine's calls that lets go of it (a graph replay, a wait for the
+device) could cost it up to 5 ms to get it back from a busy thread, several times a step.
+The API process takes the same interval for its event loop (serve/engine_client.py)."""
 
 
 class EngineStopping(RuntimeError):
