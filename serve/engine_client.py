@@ -24,7 +24,14 @@ from typing import Any
 from flare.errors import FlareError
 from flare.serve.engine.engine import GIL_SWITCH_SECONDS, EngineStopping
 from flare.serve.engine.output import Delta, RequestHandle
-from flare.serve.engine_process import STOP_TIMEOUT_S, EngineProcess, EngineSpec, Event, Ready
+from flare.serve.engine_process import (
+    STOP_TIMEOUT_S,
+    EngineProcess,
+    EngineSpec,
+    Event,
+    Ready,
+    ends_request,
+)
 from flare.serve.models.files import PackageFiles
 from flare.serve.runtime import Runtime, SamplingParams, token_budget
 from flare.serve.thread_names import READER_THREAD, name_os_thread
@@ -165,7 +172,7 @@ class EngineClient(Runtime):
                 handle = self._handles.get(key)
                 if handle is not None:
                     pushes.append((handle, item))
-                    if _final(item):
+                    if ends_request(item):
                         del self._handles[key]
         RequestHandle.push_all(pushes)
 
@@ -192,10 +199,6 @@ def _settle(future: Future[Any], value: Any) -> None:
         future.set_exception(value)
     else:
         future.set_result(value)
-
-
-def _final(item: Delta | BaseException) -> bool:
-    return isinstance(item, BaseException) or item.finish_reason is not None
 
 
 def _exit_text(code: int | None) -> str:

@@ -247,12 +247,11 @@ class _EngineSide:
         """A request's delta (or failure), pushed by the engine thread during a step. A delta
         travels as a plain tuple of its fields: a fifth of a dataclass's pickling cost, paid
         under the GIL the engine thread needs."""
-        if isinstance(item, BaseException):
+        if ends_request(item):
             self.handles.pop(rid, None)
+        if isinstance(item, BaseException):
             self.gather(("out", rid, _portable(item)))
             return
-        if item.finish_reason is not None:
-            self.handles.pop(rid, None)
         self.gather(("out", rid, (item.text, item.token_ids, item.logprobs, item.finish_reason)))
 
     def gather(self, event: Event) -> None:
@@ -285,6 +284,11 @@ class _EngineSide:
     def _post(self, message: Event) -> None:
         with contextlib.suppress(OSError):  # the API process is gone: serve() sees it and stops
             self.conn.send(message)
+
+
+def ends_request(item: Delta | BaseException) -> bool:
+    """Whether a request's output is its last: a failure, or a delta with a finish reason."""
+    return isinstance(item, BaseException) or item.finish_reason is not None
 
 
 def _portable(item: Any) -> Any:
