@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
@@ -152,6 +153,10 @@ def engine_main(conn: Connection) -> None:
     then serve the API process's commands until told to stop or until its pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Inductor, read at its import: nothing is compiled here once the package is loaded, and
+    # a kernel the package lacks is better built in this process than by a pool of compile
+    # workers (one per core, up to 32) started beside the serving. Not in its cache keys.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     from flare.serve.cache import HostCache  # torch's import, with the signals ignored
     from flare.serve.runtime import GenerateRuntime, load_runtime
 

@@ -99,13 +99,14 @@ def test_flashinfer_attends_as_the_reference_does_over_steps() -> None:
         reference.plan(meta)
         tokens = sum(queries)
         for layer in range(SPEC.num_layers):
-            q, k, v = (
-                torch.randn(tokens, heads, SPEC.head_dim, generator=generator, device=cuda).to(
-                    dtype
+            q, kv = (
+                torch.randn(shape, generator=generator, device=cuda).to(dtype)
+                for shape in (
+                    (tokens, SPEC.num_heads, SPEC.head_dim),
+                    (tokens, 2, SPEC.num_kv_heads, SPEC.head_dim),
                 )
-                for heads in (SPEC.num_heads, SPEC.num_kv_heads, SPEC.num_kv_heads)
             )
-            got, want = fast.attend(layer, q, k, v), reference.attend(layer, q, k, v)
+            got, want = fast.attend(layer, q, kv), reference.attend(layer, q, kv)
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     assert name == "flashinfer"
 

@@ -25,6 +25,7 @@ from flare.serve.engine.sampler import (
     cut_logits,
     distribution,
     draw,
+    row_max,
 )
 from flare.serve.engine.sequence import SamplingParams, Sequence, TokenLogprob
 
@@ -137,6 +138,27 @@ def test_all_equal_logits_are_uniform_and_greedy_takes_the_first() -> None:
     assert pick(row, temperature=1.0, top_p=5e-324, seed=3)[0] == 0  # the nucleus's one token
     _, logprob = pick(row, temperature=1.0, logprobs=2, seed=1)
     assert logprob is not None and math.isclose(logprob.logprob, -math.log(VOCAB))
+
+
+@pytest.mark.parametrize("vocab", [128 * 1002, 64 * 7, 4099])
+def test_row_max_is_torchs_max_with_the_first_index_of_ties(vocab: int) -> None:
+    """Split into parts (128K, a vocabulary of 64 parts) or whole (a prime): the same values
+    and indices as max(dim=-1), ties to the first index, NaN greatest, all -inf kept."""
+    generator = torch.Generator().manual_seed(vocab)
+    rows = torch.randint(-4, 4, (7, vocab), generator=generator).float()  # many ties at the top
+    rows[1, vocab // 2] = 9.0
+    rows[1, vocab - 1] = 9.0  # the later of two equal maxima, in another part
+    rows[2, 5] = float("nan")
+    rows[2, 3] = float("inf")
+    rows[3] = float("-inf")
+    rows[4, vocab - 1] = float("nan")
+    rows[5, :] = 2.5
+    values, indices = row_max(rows)
+    want = rows.max(dim=-1)
+    assert torch.equal(values.isnan(), want.values.isnan())
+    assert torch.equal(values.nan_to_num(), want.values.nan_to_num())
+    assert indices.tolist() == want.indices.tolist()
+    assert indices[1] == vocab // 2 and indices[2] == 5 and indices[5] == 0
 
 
 def test_draws_follow_the_distribution() -> None:

@@ -55,29 +55,35 @@ class AttentionMetadata:
 
 
 class PagedKVCache:
-    """Every layer's keys and values, [slots, kv_heads, head_dim] per layer with slot = block *
-    block_size + offset: the layout both backends read (FlashInfer's "NHD" pages as a view)."""
+    """Every layer's keys and values in one tensor, [layers, slots, 2, kv_heads, head_dim],
+    slot = block * block_size + offset: a step's new keys and values are stored by one
+    scatter a layer (the model hands them over side by side), and each layer's K and V are
+    strided views, [slots, kv_heads, head_dim], the layout both backends read (FlashInfer's
+    "NHD" pages as a view; its kernels take the strides)."""
 
     def __init__(
         self, spec: AttentionSpec, num_slots: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        shape = (spec.num_layers, num_slots, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (spec.num_layers, num_slots, 2, spec.num_kv_heads, spec.head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
         """What the cache holds on its device, keys and values."""
-        return self.k.nbytes + self.v.nbytes
+        return self.kv.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
 
     def store(
-        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, slots: torch.Tensor, kv: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write a step's new keys and values into their slots; the layer's whole K and V."""
-        k_cache, v_cache = self.k[layer], self.v[layer]
-        k_cache[slots] = k
-        v_cache[slots] = v
-        return k_cache, v_cache
+        """Write a step's new keys and values ([tokens, 2, kv_heads, dim]) into their slots;
+        the layer's whole K and V."""
+        cache = self.kv[layer]
+        cache[slots] = kv
+        return cache[:, 0], cache[:, 1]
 
 
 class AttentionBackend(Protocol):
@@ -90,9 +96,10 @@ class AttentionBackend(Protocol):
     def plan(self, meta: AttentionMetadata) -> None:
         """Prepare for one step (index tensors, kernel plans); called before the forward."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store k, v ([tokens, kv_heads, dim]) in the cache; attend q ([tokens, heads, dim])
-        over each sequence's cached context, causally; return [tokens, heads, dim]."""
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """Store the new keys and values (`kv`: [tokens, 2, kv_heads, dim], keys first) in the
+        cache; attend q ([tokens, heads, dim]) over each sequence's cached context, causally;
+        return [tokens, heads, dim], contiguous."""
 
 
 class TorchPagedAttention:
@@ -127,10 +134,10 @@ class TorchPagedAttention:
         offsets = torch.arange(meta.block_size, device=blocks.device)
         return (blocks[:, None] * meta.block_size + offsets).flatten()[:ctx]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         assert self._meta is not None, "plan() must run before attend()"
-        k_cache, v_cache = self.cache.store(layer, self._meta.slot_mapping, k, v)
-        out = torch.empty_like(q)
+        k_cache, v_cache = self.cache.store(layer, self._meta.slot_mapping, kv)
+        out = q.new_empty(q.shape)
         for start, end, slots, mask in self._gathers:
             out[start:end] = self._one(q[start:end], k_cache[slots], v_cache[slots], mask)
         return out

@@ -22,17 +22,17 @@ _bound = threading.local()
 
 
 @torch.library.custom_op("flare::paged_attention", mutates_args=())
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """The bound backend's `attend` for one layer (q [tokens, heads, dim] out)."""
+def paged_attention(q: torch.Tensor, kv: torch.Tensor, layer: int) -> torch.Tensor:
+    """The bound backend's `attend` for one layer (q [tokens, heads, dim] out, contiguous)."""
     backend: AttentionBackend | None = getattr(_bound, "backend", None)
     if backend is None:
         raise RuntimeError("flare::paged_attention ran outside bound_attention()")
-    return backend.attend(layer, q, k, v)
+    return backend.attend(layer, q, kv)
 
 
 @paged_attention.register_fake
-def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    return torch.empty_like(q)
+def _shape(q: torch.Tensor, kv: torch.Tensor, layer: int) -> torch.Tensor:
+    return q.new_empty(q.shape)
 
 
 class OperatorAttention:
@@ -40,8 +40,8 @@ class OperatorAttention:
     the operator, whichever backend is bound when the graph runs (the runner plans that
     backend before the step, as it does for an eager forward)."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.ops.flare.paged_attention(q, k, v, layer)
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return torch.ops.flare.paged_attention(q, kv, layer)
 
 
 @contextmanager

@@ -82,7 +82,7 @@ class DecodeGraphs:
 
     def _allocate(self, max_pages: int) -> None:
         """The static buffers every graph reads, on the device, and their pinned host twins."""
-        top, device = self.sizes[-1], self.attention.cache.k.device
+        top, device = self.sizes[-1], self.attention.cache.device
         self._inputs = [torch.zeros(top, dtype=torch.int64, device=device) for _ in range(3)]
         """Token ids, positions, KV slots: three tensors of their own, as the forward was traced
         with (a view at an offset would fail a compiled forward's guards, and compile again)."""

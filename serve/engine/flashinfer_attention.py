@@ -1,8 +1,10 @@
 """Attention by FlashInfer's paged kernels, on CUDA, over the same KV cache layout.
 
-The cache is the reference backend's: per layer, [slots, kv_heads, head_dim] with slot =
-block * block_size + offset, which is FlashInfer's "NHD" paged layout [pages, page_size,
-kv_heads, head_dim] seen as a view, so new keys and values are written the same way. A step
+The cache is the reference backend's: per layer, K and V are [slots, kv_heads, head_dim] with
+slot = block * block_size + offset (strided views of one tensor that holds a slot's key and
+value side by side), which is FlashInfer's "NHD" paged layout [pages, page_size, kv_heads,
+head_dim] seen as a view (its kernels take a cache's strides), so new keys and values are
+written the same way. A step
 is planned once (FlashInfer's `plan`: page tables and the kernels' work split) and each
 layer's `run` then attends all sequences in one kernel. A step of single-token queries (a
 decode step) uses the decode kernel; any other uses the prefill kernel, causal, whose queries
@@ -96,9 +98,9 @@ class FlashInferPagedAttention:
     def plan_kinds(self) -> dict[str, Any]:
         return {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": self.spec.scale}
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         assert self._meta is not None, "plan() must run before attend()"
-        k_cache, v_cache = self.cache.store(layer, self._meta.slot_mapping, k, v)
+        k_cache, v_cache = self.cache.store(layer, self._meta.slot_mapping, kv)
         return self._wrapper.run(q, (k_cache.view(self.pages), v_cache.view(self.pages)))
 
 
@@ -139,8 +141,8 @@ class FlashInferGraphDecode:
         base = self.base
         self._decode.plan(indptr, indices, last, *base.plan_shape(), **base.plan_kinds())
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = self.cache.store(layer, self.slots, k, v)
+    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.cache.store(layer, self.slots, kv)
         pages = self.base.pages
         return self._decode.run(q, (k_cache.view(pages), v_cache.view(pages)))
 

@@ -33,27 +33,20 @@ from flare.errors import InvalidInputError
 from flare.serve.engine.attention import AttentionBackend, AttentionSpec
 from flare.serve.models.files import load_by_name
 from flare.serve.models.fused import FusedRows, Parts
+from flare.serve.models.rms_norm import RMSNorm
 from flare.serve.models.shard import Shard
 
 MAX_CONTEXT = 131072
 """Cap on the advertised context when a config claims more."""
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
 class Rotary(nn.Module):
-    """Rotary position embedding (the half-split layout of Hugging Face checkpoints)."""
+    """Rotary position embedding (the half-split layout of Hugging Face checkpoints), looked
+    up rather than computed per step: cos and sin of every position the model serves, made
+    once where the model is materialized, in float32 as transformers makes them, and kept in
+    the model's dtype, which transformers rounds them to before use. A step gathers its
+    positions' rows; a compiled forward reads them inside each layer's rotary kernel (computed
+    in the step, Inductor made four kernels a layer of them)."""
 
     def __init__(self, config: dict[str, Any], head_dim: int) -> None:
         super().__init__()
@@ -70,19 +63,29 @@ class Rotary(nn.Module):
         """A plain float32 attribute, not a buffer: models are built on the meta device, then
         materialized empty, which would leave a buffer's values undefined, and `.to(dtype)`
         would round a buffer to bfloat16."""
+        self.positions = context_length(config)
+        self.table = torch.empty(0, device="cpu")
+        """[positions, 2 (cos, sin), head_dim], made by `_apply`, as the frequencies are."""
 
     def _apply(self, fn: Any, recurse: bool = True) -> Rotary:
-        """Follow the module's moves (`to_empty`, `.to(device)`), keeping the values and the
-        float32 dtype: the frequencies are on the step's device before anything is compiled,
-        as a compiled forward's guards expect."""
-        probe = torch.empty(0, device=self.inv_freq.device)
-        self.inv_freq = self.inv_freq.to(fn(probe).device)
+        """Follow the module's moves (`to_empty`, `.to(device)`, `.to(dtype)`): the float32
+        frequencies to the new device, and the table made again there from them, in the new
+        dtype (never from a table already rounded), on the step's device before anything is
+        compiled, as a compiled forward's guards expect."""
+        probe = fn(torch.empty(0, device=self.inv_freq.device))
+        self.inv_freq = self.inv_freq.to(probe.device)
+        self.table = self._cos_sin().to(probe.dtype)
         return super()._apply(fn, recurse)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
+    def _cos_sin(self) -> torch.Tensor:
+        positions = torch.arange(self.positions, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = positions[:, None] * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos(), angles.sin()
+        return torch.stack((angles.cos(), angles.sin()), dim=1)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.table[positions]
+        return rows[:, 0], rows[:, 1]
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
@@ -109,8 +112,8 @@ def _llama3_frequencies(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.T
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, dim]; cos, sin: [tokens, dim], computed in float32 and cast to x's
-    dtype here, as transformers does (a bf16 model keeps bf16 queries and keys)."""
+    """x: [tokens, heads, dim]; cos, sin: [tokens, dim], in x's dtype as transformers casts
+    them (a bf16 model keeps bf16 queries and keys; the table is in the model's dtype)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -158,15 +161,18 @@ class Attention(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         attention: AttentionBackend,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(-1, self.heads, self.head_dim)
-        k = k.view(-1, self.kv_heads, self.head_dim)
-        v = v.view(-1, self.kv_heads, self.head_dim)
+        """The new keys and values go to attention side by side, [tokens, 2, kv_heads, dim]:
+        q, k and v come out of one pointwise pass (rotary on q and k, v copied) that a
+        compiled forward makes one kernel, and the cache stores K and V in one scatter."""
+        heads, kv_heads = self.heads, self.kv_heads
+        qkv = self.qkv_proj(x).view(-1, heads + 2 * kv_heads, self.head_dim)
+        q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=1)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        out = attention.attend(self.layer, q, k, v)
-        return self.o_proj(out.reshape(-1, self.heads * self.head_dim))
+        qkv = torch.cat((apply_rotary(q, *rotary), apply_rotary(k, *rotary), v), dim=1)
+        q, kv = qkv.split((heads, 2 * kv_heads), dim=1)
+        out = attention.attend(self.layer, q, kv.unflatten(1, (2, kv_heads)))
+        return self.o_proj(out.reshape(-1, heads * self.head_dim))
 
     def fused_rows(self) -> dict[str, tuple[tuple[str, int], ...]]:
         """The fused projection's checkpoint parts and this rank's rows of each, in order."""
@@ -203,11 +209,20 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rotary: tuple[torch.Tensor, torch.Tensor],
         attention: AttentionBackend,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it): the next layer adds the two as
+        it normalizes (`RMSNorm.add`), so each add and norm is one kernel on CUDA. The first
+        layer's `x` is the embeddings and its residual None."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(x), x
+        else:
+            hidden, residual = self.input_layernorm.add(x, residual)
+        x = self.self_attn(hidden, rotary, attention)
+        hidden, residual = self.post_attention_layernorm.add(x, residual)
+        return self.mlp(hidden), residual
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -271,10 +286,10 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
         rotary = self.model.rotary(positions)
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, rotary, attention)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rotary, attention)
+        return self.model.norm.add(x, residual)[0] if residual is not None else self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight

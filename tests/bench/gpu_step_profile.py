@@ -18,7 +18,8 @@ stepped through their prefill and WARMUP decode steps, then:
   copies' total), the GPU busy share (that over the host time), the device's gaps per step
   (seams between kernels under SEAM_US, and idle time waiting for the host), and per step the
   kernels run, the launch calls the host made (kernel launches; graph launches apart),
-  host-to-device copies and stream or device synchronisations.
+  host-to-device copies and stream or device synchronisations, and the last step's kernels in
+  order (`last_step`: which kernels a step is made of, what fused and what did not).
 
 On the CPU it reports host time only. Nothing asserts on time: it prints a table (stderr) and
 one JSON report (stdout, and under --out).
@@ -112,6 +113,7 @@ def kernel_figures(step: Any, host: float) -> dict[str, Any]:
             step()
         torch.cuda.synchronize()
     gpu_us = kernels = 0
+    sequence: list[tuple[float, str, float]] = []
     calls = {"launches": 0, "graph_launches": 0, "copies": 0, "syncs": 0}
     by_name: dict[str, list[float]] = {}
     spans: list[tuple[float, float]] = []
@@ -120,6 +122,7 @@ def kernel_figures(step: Any, host: float) -> dict[str, Any]:
             gpu_us += event.time_range.elapsed_us()
             spans.append((event.time_range.start, event.time_range.end))
             kernels += not event.name.startswith(("Memcpy", "Memset"))
+            sequence.append((event.time_range.start, event.name, event.time_range.elapsed_us()))
             by_name.setdefault(event.name, []).append(event.time_range.elapsed_us())
             continue
         for kind, names in (
@@ -139,6 +142,7 @@ def kernel_figures(step: Any, host: float) -> dict[str, Any]:
         "kernels_per_step": round(kernels / PROFILED, 1),
         **{f"{kind}_per_step": round(count / PROFILED, 1) for kind, count in calls.items()},
         "top_kernels": top_kernels(by_name),
+        "last_step": last_step(sequence),
     }
 
 
@@ -172,6 +176,13 @@ def top_kernels(by_name: dict[str, list[float]]) -> list[dict[str, Any]]:
         }
         for name, times in ranked
     ]
+
+
+def last_step(sequence: list[tuple[float, str, float]]) -> list[list[Any]]:
+    """The last profiled step's device work in order, [name, microseconds] each: which
+    kernels a step is made of, what fused and what did not."""
+    ordered = sorted(sequence)
+    return [[name[:120], round(us, 2)] for _, name, us in ordered[-len(ordered) // PROFILED :]]
 
 
 def table(reports: list[dict[str, Any]]) -> str:

@@ -1,0 +1,88 @@
+"""RMSNorm, and the residual add before it in one kernel on CUDA.
+
+A decoder layer adds its attention's output to the residual stream and normalizes the sum,
+then does the same with its MLP's output. Written as torch operations, Inductor made three
+kernels of each on the H200 (the add, the sum of squares, the scaling: docs/performance.md),
+about 1.5 microseconds apiece with the seams between them, 48 kernels a step at 1B. On CUDA
+`add_rms_norm` does it in one Triton kernel that reads both inputs once and writes the sum and
+its norm, as vLLM's fused_add_rms_norm does; it is a `triton_op`, so a compiled forward calls
+the kernel directly and Inductor's cache keeps it with the graph. Everywhere else, and where
+Triton is missing, the same arithmetic runs as torch operations.
+
+The arithmetic is transformers' (and the torch path's): the sum rounded to the model's dtype,
+then in float32 x * rsqrt(mean(x^2) + eps), rounded, times the weight, rounded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+try:
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+except ImportError:  # a CPU build of torch ships without Triton
+    triton = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of x + residual, x + residual): the residual stream's next value and
+        what the next block reads."""
+        if x.is_cuda and triton is not None:
+            return torch.ops.flare.add_rms_norm(x, residual, self.weight, self.eps)
+        summed = x + residual
+        return rms_norm(summed, self.weight, self.eps), summed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(
+        x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr, cols, eps, BLOCK: tl.constexpr
+    ):
+        """One program per row (rows `cols` apart): the row's sum, its sum of squares, its
+        scaled norm. On CUDA only: tests/bench/gpu_correctness.py checks it there."""
+        at = tl.program_id(0).to(tl.int64) * cols + tl.arange(0, BLOCK)
+        mask = tl.arange(0, BLOCK) < cols
+        x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        residual = tl.load(residual_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        summed = (x + residual).to(summed_ptr.dtype.element_ty)
+        tl.store(summed_ptr + at, summed, mask=mask)
+        values = summed.to(tl.float32)
+        scale = tl.rsqrt(tl.sum(values * values, axis=0) / cols + eps)
+        normed = (values * scale).to(out_ptr.dtype.element_ty).to(tl.float32)
+        weight = tl.load(weight_ptr + tl.arange(0, BLOCK), mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + at, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton_op("flare::add_rms_norm", mutates_args={})
+    def add_rms_norm(
+        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of x + residual, x + residual), both [rows, size]."""
+        rows, cols = x.shape
+        out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+        summed = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+        block = triton.next_power_of_2(cols)
+        warps = min(max(block // 512, 4), 16)
+        wrap_triton(_add_rms_norm_kernel)[(rows,)](
+            x.contiguous(), residual.contiguous(), weight, out, summed, cols, eps,
+            BLOCK=block, num_warps=warps,
+        )  # fmt: skip
+        return out, summed
