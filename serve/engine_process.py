@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flare.errors import FlareError
+from flare.serve.heap import freeze_heap
 from flare.serve.thread_names import SENDER_THREAD, name_os_thread
 
 if TYPE_CHECKING:
@@ -176,6 +177,7 @@ def engine_main(conn: Connection) -> None:
     except BaseException as exc:
         conn.send(("failed", LoadFailure.of(exc)))
         return
+    freeze_heap()
     conn.send(("ready", Ready.of(runtime)))
     _EngineSide(conn, runtime).serve()
 

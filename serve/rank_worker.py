@@ -23,6 +23,7 @@ from flare.errors import FlareError
 from flare.rendezvous import RankError, Rendezvous
 from flare.serve.engine.attention_choice import make_attention
 from flare.serve.engine.runner import ModelRunner
+from flare.serve.heap import freeze_heap
 from flare.serve.models import load_model
 from flare.serve.models.files import PackageFiles, Quarantine
 from flare.serve.rank_group import RankGroup, follow
@@ -58,6 +59,7 @@ def serve_rank(rendezvous: Rendezvous, obtain: Obtain) -> None:
     group, runner, report = _guarded(
         rendezvous, "could not load its part", _load, rendezvous, notice, obtained
     )
+    freeze_heap()
     rendezvous.post(f"serve/ready/{rank}", report)
     watch = Watch(rendezvous, _lost)
     watch.start()

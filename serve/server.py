@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from flare.errors import FlareError
+from flare.serve.heap import freeze_heap
 from flare.serve.runtime import Runtime
 
 DRAIN_TIMEOUT_S = 60
@@ -110,6 +111,7 @@ def run_server(
     server = _Server(_config(app), app, on_ready)
     runtime.on_lost = server.stop_soon
     runtime.start()
+    freeze_heap()
     try:
         server.run(sockets=[sock])
     finally:
