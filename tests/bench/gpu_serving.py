@@ -16,6 +16,10 @@ N words is N tokens and every sampled id decodes), then
   kept beside it: a width's first load may pay for what the server meets for the first time), the
   first token of an 8K-token prompt, greedy continuations beside transformers', and the
   compilations counted after ready (`/metrics`);
+- then the same package loaded in this process (unless --skip-in-process), its engine stepped
+  as tests/bench/gpu_step_profile.py does: host and GPU time per decode step at 1, 16 and 64
+  sequences, so that the HTTP figures of the same run can be set against the engine's own
+  (a step bound by its GPU work, or by its host loop);
 - the bandwidth roofline: weight bytes ÷ 4.8 TB/s per token (an H200's HBM3e).
 
 Nothing asserts on time: the script prints one JSON report (and writes it under --out).
@@ -239,6 +243,23 @@ def flare_figures(env: dict[str, str], name: str, device: str) -> dict[str, Any]
     return out
 
 
+def in_process_figures(env: dict[str, str], name: str, device: str) -> dict[str, Any]:
+    """The built package loaded in this process, from the served home, and profiled per
+    decode width (gpu_step_profile.py's figures, less each step's kernel list)."""
+    from gpu_step_profile import KV_CACHE_TOKENS, profile_path
+    from runtime_package import load
+
+    os.environ.update({k: v for k, v in env.items() if k.startswith(("FLARE_", "XDG_"))})
+    runtime = load(name, device, kv_cache_tokens=KV_CACHE_TOKENS)
+    try:
+        widths = profile_path(runtime, device)
+    finally:
+        runtime.stop()
+    for figures in widths.values():
+        figures.pop("last_step", None)
+    return {"start": runtime.start_report.describe(), "widths": widths}
+
+
 def completion(client: Any, url: str, name: str, prompt: str) -> str:
     body = {
         "model": name,
@@ -306,6 +327,11 @@ def measure(shape_name: str, args: argparse.Namespace, work: Path) -> dict[str, 
     print(f"{shape_name}: built in {report['build_s']} s", file=sys.stderr)
     report["phases"] = {p["name"]: round(p["seconds"], 2) for p in built["phases"]}
     report["flare"] = flare_figures(env, shape_name, args.device)
+    http = {k: v for k, v in report["flare"].items() if k != "greedy"}
+    print(f"{shape_name}: flare over HTTP {http}", file=sys.stderr)
+    if not args.skip_in_process:
+        report["in_process"] = in_process_figures(env, shape_name, args.device)
+        print(f"{shape_name}: in process {report['in_process']}", file=sys.stderr)
     pairs = zip(report["flare"].pop("greedy"), report["transformers"].pop("greedy"), strict=True)
     shared = [same_words(ours, theirs) for ours, theirs in pairs]
     report["greedy_equal_share"] = sum(s == PARITY_TOKENS for s in shared) / len(shared)
@@ -320,6 +346,7 @@ def main() -> int:
     parser.add_argument("--shapes", default="1b,8b")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--skip-compiled", action="store_true")
+    parser.add_argument("--skip-in-process", action="store_true")
     parser.add_argument("--kernel-cache", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
