@@ -4,11 +4,11 @@ The cache is the reference backend's: per layer, K and V are [slots, kv_heads, h
 slot = block * block_size + offset (strided views of one tensor that holds a slot's key and
 value side by side), which is FlashInfer's "NHD" paged layout [pages, page_size, kv_heads,
 head_dim] seen as a view (its kernels take a cache's strides), so new keys and values are
-written the same way. A step
-is planned once (FlashInfer's `plan`: page tables and the kernels' work split) and each
-layer's `run` then attends all sequences in one kernel. A step of single-token queries (a
-decode step) uses the decode kernel; any other uses the prefill kernel, causal, whose queries
-sit at the end of their sequence's context, which is what a prefill after a cached prefix is.
+written the same way. A step is planned once (FlashInfer's `plan`: page tables and the
+kernels' work split) and each layer's `run` then attends all sequences in one kernel. A step
+of single-token queries (a decode step) uses the decode kernel; any other uses the prefill
+kernel, causal, whose queries sit at the end of their sequence's context, which is what a
+prefill after a cached prefix is.
 """
 
 from __future__ import annotations

@@ -63,22 +63,22 @@ class Rotary(nn.Module):
         """A plain float32 attribute, not a buffer: models are built on the meta device, then
         materialized empty, which would leave a buffer's values undefined, and `.to(dtype)`
         would round a buffer to bfloat16."""
-        self.positions = context_length(config)
+        self.length = context_length(config)
         self.table = torch.empty(0, device="cpu")
-        """[positions, 2 (cos, sin), head_dim], made by `_apply`, as the frequencies are."""
+        """[length, 2 (cos, sin), head_dim]: made by `_apply`, where the frequencies go."""
 
     def _apply(self, fn: Any, recurse: bool = True) -> Rotary:
         """Follow the module's moves (`to_empty`, `.to(device)`, `.to(dtype)`): the float32
-        frequencies to the new device, and the table made again there from them, in the new
-        dtype (never from a table already rounded), on the step's device before anything is
-        compiled, as a compiled forward's guards expect."""
-        probe = fn(torch.empty(0, device=self.inv_freq.device))
+        frequencies to the new device, and the table made again there from them, in the
+        table's new dtype (never from a table already rounded), on the step's device before
+        anything is compiled, as a compiled forward's guards expect."""
+        probe = fn(torch.empty(0, dtype=self.table.dtype, device=self.table.device))
         self.inv_freq = self.inv_freq.to(probe.device)
         self.table = self._cos_sin().to(probe.dtype)
         return super()._apply(fn, recurse)
 
     def _cos_sin(self) -> torch.Tensor:
-        positions = torch.arange(self.positions, dtype=torch.float32, device=self.inv_freq.device)
+        positions = torch.arange(self.length, dtype=torch.float32, device=self.inv_freq.device)
         freqs = positions[:, None] * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         return torch.stack((angles.cos(), angles.sin()), dim=1)
