@@ -28,6 +28,8 @@ COUNTERS = {
     "preemptions",
     "steps",
     "busy_seconds",
+    "step_seconds",
+    "device_wait_seconds",
     "kv_prefix_hit_tokens",
     "kv_evictions",
     "compilations",

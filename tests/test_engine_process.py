@@ -121,6 +121,10 @@ def test_metrics_are_the_engines_own_figures(home: Path) -> None:
         assert server.metric("flare_generated_tokens_total") == 7
         assert server.metric("flare_requests_finished_total") == 1
         assert server.metric("flare_kv_blocks_used") == 0
+        steps = server.metric("flare_steps_total")
+        in_steps = server.metric("flare_step_seconds_total")
+        waiting = server.metric("flare_device_wait_seconds_total")
+        assert steps >= 7 and in_steps > 0 and 0 <= waiting <= in_steps
     finally:
         assert server.stop()[0] == 0
 

@@ -87,6 +87,11 @@ class Counters:
     generated_tokens: int = 0
     steps: int = 0
     busy_seconds: float = 0.0
+    step_seconds: float = 0.0
+    """The engine thread's time in its steps (each step and its hand-over of deltas)."""
+    device_wait_seconds: float = 0.0
+    """Of that, the time waiting for a step's tokens from the device: the rest is the host
+    loop's own work, which bounds the steps a second where it is longer than the device's."""
 
 
 class Engine:
@@ -166,6 +171,7 @@ class Engine:
         name_os_thread(ENGINE_THREAD)
         while not (self._draining and not self._busy()):
             self._wake.wait()
+            started = time.perf_counter()
             try:
                 self.step()
             except Exception as exc:  # a fault of the engine's own: nothing in flight is sure
@@ -173,6 +179,7 @@ class Engine:
                 self._fail_all(exc)
             if self.after_step is not None:
                 self.after_step()
+            self.counters.step_seconds += time.perf_counter() - started
             if not self._busy() and self._inbox.empty():
                 self._wake.clear()
                 if not self._inbox.empty():  # posted between the check and the clear
@@ -237,11 +244,14 @@ class Engine:
         if flight is None:
             return []
         batch = flight.batch
+        waited = time.perf_counter()
         try:
             picks = flight.sampled.read()
         except Exception as exc:  # the forward's own failure surfaces at the first read
             self._forward_failed(batch, exc)
             return []
+        finally:
+            self.counters.device_wait_seconds += time.perf_counter() - waited
         landed = []
         for seq, picked in zip(batch.seqs, picks, strict=True):
             request = self._requests.get(seq.id)
@@ -377,6 +387,8 @@ class Engine:
             "preemptions": self.scheduler.preemptions,
             "steps": self.counters.steps,
             "busy_seconds": self.counters.busy_seconds,
+            "step_seconds": self.counters.step_seconds,
+            "device_wait_seconds": self.counters.device_wait_seconds,
         }
 
     def kv_stats(self) -> dict[str, int]:

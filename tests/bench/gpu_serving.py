@@ -231,16 +231,37 @@ def flare_figures(env: dict[str, str], name: str, device: str) -> dict[str, Any]
         for width in (16, MAX_STREAMS):  # each width twice: its first time, then again
             for run, seed in (("first", 100), ("again", 200)):
                 prompts = [prompt_of(32, seed + i) for i in range(width)]
+                before = engine_counters(url)
                 load = streams(url, name, prompts, STREAM_TOKENS, pid=server.pid)
-                out[f"streams{width}_{run}"] = load.report()
+                out[f"streams{width}_{run}"] = load.report() | engine_loop(before, url)
             out[f"streams{width}_tok_s"] = out[f"streams{width}_again"]["tok_s"]
-        metrics = httpx.get(f"{url.removesuffix('/v1')}/metrics").text
-        found = re.search(r"^flare_compilations_total (\S+)$", metrics, re.M)
-        out["compilations_after_ready"] = float(found.group(1)) if found else None
+        out["compilations_after_ready"] = engine_counters(url)["compilations"]
     finally:
         server.send_signal(signal.SIGTERM)
         out["serve_exit"] = server.wait(timeout=120)
     return out
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The server's engine counters from /metrics (`flare_X_total` as X)."""
+    import httpx
+
+    text = httpx.get(f"{url.removesuffix('/v1')}/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^flare_(\w+)_total (\S+)$", text, re.M)}
+
+
+def engine_loop(before: dict[str, float], url: str) -> dict[str, float]:
+    """The engine's step loop over a load, from its counters before and now: steps, and per
+    step the host loop's own work and the wait for the device's tokens (milliseconds)."""
+    after = engine_counters(url)
+    steps = after["steps"] - before["steps"]
+    waiting = after["device_wait_seconds"] - before["device_wait_seconds"]
+    in_steps = after["step_seconds"] - before["step_seconds"]
+    return {
+        "engine_steps": steps,
+        "engine_host_ms_per_step": round(1000 * (in_steps - waiting) / max(steps, 1), 3),
+        "engine_wait_ms_per_step": round(1000 * waiting / max(steps, 1), 3),
+    }
 
 
 def in_process_figures(env: dict[str, str], name: str, device: str) -> dict[str, Any]:
