@@ -69,19 +69,21 @@ class Rotary(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> Rotary:
         """Follow the module's moves (`to_empty`, `.to(device)`, `.to(dtype)`): the float32
-        frequencies to the new device, and the table made again there from them, in the
-        table's new dtype (never from a table already rounded), on the step's device before
-        anything is compiled, as a compiled forward's guards expect."""
+        frequencies to the new device, and the table there in its new dtype, cast from a
+        float32 table where there is one, else made from the frequencies (never widened from
+        one already rounded), before anything is compiled, as a compiled forward's guards
+        expect. A load (`to_empty`, then `.to(bfloat16)`) makes it once and casts it once."""
         probe = fn(torch.empty(0, dtype=self.table.dtype, device=self.table.device))
         self.inv_freq = self.inv_freq.to(probe.device)
-        self.table = self._cos_sin().to(probe.dtype)
+        exact = self.table.numel() > 0 and self.table.dtype == torch.float32
+        self.table = (self.table if exact else self._cos_sin()).to(probe.device, probe.dtype)
         return super()._apply(fn, recurse)
 
     def _cos_sin(self) -> torch.Tensor:
         positions = torch.arange(self.length, dtype=torch.float32, device=self.inv_freq.device)
         freqs = positions[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return torch.stack((angles.cos(), angles.sin()), dim=1)
+        cos, sin = freqs.cos(), freqs.sin()  # each half of a row repeats the other
+        return torch.stack((torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)), dim=1)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.table[positions]
