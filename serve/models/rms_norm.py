@@ -58,7 +58,7 @@ if triton is not None:
         x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr, cols, eps, BLOCK: tl.constexpr
     ):
         """One program per row (rows `cols` apart): the row's sum, its sum of squares, its
-        scaled norm. On CUDA only: tests/bench/gpu_correctness.py checks it there."""
+        scaled norm. On CUDA only: tests/test_rms_norm.py checks it there."""
         at = tl.program_id(0).to(tl.int64) * cols + tl.arange(0, BLOCK)
         mask = tl.arange(0, BLOCK) < cols
         x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)

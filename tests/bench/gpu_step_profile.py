@@ -182,7 +182,7 @@ def last_step(sequence: list[tuple[float, str, float]]) -> list[list[Any]]:
     """The last profiled step's device work in order, [name, microseconds] each: which
     kernels a step is made of, what fused and what did not."""
     ordered = sorted(sequence)
-    return [[name[:120], round(us, 2)] for _, name, us in ordered[-len(ordered) // PROFILED :]]
+    return [[name[:120], round(us, 2)] for _, name, us in ordered[-(len(ordered) // PROFILED) :]]
 
 
 def table(reports: list[dict[str, Any]]) -> str:
