@@ -20,6 +20,9 @@ N words is N tokens and every sampled id decodes), then
   as tests/bench/gpu_step_profile.py does: host and GPU time per decode step at 1, 16 and 64
   sequences, so that the HTTP figures of the same run can be set against the engine's own
   (a step bound by its GPU work, or by its host loop);
+- with --py-spy BIN, py-spy on the engine process during the second 64-stream load: its raw
+  samples under --out, and the frames holding the most samples in the report (a thread
+  waiting for the GIL is sampled where it waits);
 - the bandwidth roofline: weight bytes ÷ 4.8 TB/s per token (an H200's HBM3e).
 
 Nothing asserts on time: the script prints one JSON report (and writes it under --out).
@@ -33,9 +36,12 @@ import os
 import re
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +218,9 @@ def greedy(model: Any, tokenizer: Any, device: str, prompt: str) -> str:
 # -- flare ------------------------------------------------------------------------------------
 
 
-def flare_figures(env: dict[str, str], name: str, device: str) -> dict[str, Any]:
+def flare_figures(
+    env: dict[str, str], name: str, device: str, spy: Path | None, out_dir: Path | None
+) -> dict[str, Any]:
     import httpx
 
     server, url, ready, _ = start_server(env, name, "--device", device)
@@ -232,8 +240,13 @@ def flare_figures(env: dict[str, str], name: str, device: str) -> dict[str, Any]
             for run, seed in (("first", 100), ("again", 200)):
                 prompts = [prompt_of(32, seed + i) for i in range(width)]
                 before = engine_counters(url)
-                load = streams(url, name, prompts, STREAM_TOKENS, pid=server.pid)
+                raw = out_dir / f"engine_{name}_{width}.raw" if out_dir and spy else None
+                profiled = width == MAX_STREAMS and run == "again" and raw is not None
+                with engine_profile(server.pid, spy if profiled else None, raw) as frames:
+                    load = streams(url, name, prompts, STREAM_TOKENS, pid=server.pid)
                 out[f"streams{width}_{run}"] = load.report() | engine_loop(before, url)
+                if frames:
+                    out[f"streams{width}_engine_profile"] = frames
             out[f"streams{width}_tok_s"] = out[f"streams{width}_again"]["tok_s"]
         out["compilations_after_ready"] = engine_counters(url)["compilations"]
     finally:
@@ -262,6 +275,56 @@ def engine_loop(before: dict[str, float], url: str) -> dict[str, float]:
         "engine_host_ms_per_step": round(1000 * (in_steps - waiting) / max(steps, 1), 3),
         "engine_wait_ms_per_step": round(1000 * waiting / max(steps, 1), 3),
     }
+
+
+@contextmanager
+def engine_profile(server_pid: int, spy: Path | None, raw: Path | None) -> Iterator[dict[str, Any]]:
+    """py-spy on the server's engine process for the length of the block, where `spy` and
+    `raw` are given: raw samples written to `raw`; once the block ends, the yielded dict
+    holds the frames with the most samples (or why there are none)."""
+    found: dict[str, Any] = {}
+    pid = _engine_pid(server_pid)
+    if spy is None or raw is None or pid is None:
+        yield found
+        return
+    command = [str(spy), "record", "-p", str(pid), "-r", "500", "-f", "raw", "-o", str(raw)]
+    spying = subprocess.Popen([*command, "--nonblocking"], stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # attached before the load starts
+    try:
+        yield found
+    finally:
+        spying.send_signal(signal.SIGINT)
+        _, err = spying.communicate(timeout=120)
+        found |= top_frames(raw) if raw.exists() else {"error": err.strip()[-300:]}
+
+
+def _engine_pid(server_pid: int) -> int | None:
+    """The engine process among the server's children (multiprocessing's spawned child)."""
+    for child in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
+        if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text():
+            return int(child)
+    return None
+
+
+def top_frames(raw: Path, count: int = 30) -> dict[str, Any]:
+    """py-spy's raw samples summed by frame (line numbers dropped): each frame's share of
+    the samples with it anywhere on the stack, and with it on top."""
+    inclusive: dict[str, int] = {}
+    own: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, samples = line.rpartition(" ")
+        frames = [re.sub(r":\d+\)$", ")", frame) for frame in stack.split(";")]
+        total += int(samples)
+        own[frames[-1]] = own.get(frames[-1], 0) + int(samples)
+        for frame in set(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + int(samples)
+
+    def ranked(counts: dict[str, int]) -> list[list[Any]]:
+        top = sorted(counts.items(), key=lambda item: -item[1])[:count]
+        return [[frame[:160], round(n / max(total, 1), 4)] for frame, n in top]
+
+    return {"samples": total, "inclusive": ranked(inclusive), "own": ranked(own)}
 
 
 def in_process_figures(env: dict[str, str], name: str, device: str) -> dict[str, Any]:
@@ -347,7 +410,7 @@ def measure(shape_name: str, args: argparse.Namespace, work: Path) -> dict[str, 
     report["build_s"] = round(time.perf_counter() - started, 1)
     print(f"{shape_name}: built in {report['build_s']} s", file=sys.stderr)
     report["phases"] = {p["name"]: round(p["seconds"], 2) for p in built["phases"]}
-    report["flare"] = flare_figures(env, shape_name, args.device)
+    report["flare"] = flare_figures(env, shape_name, args.device, args.py_spy, args.out)
     http = {k: v for k, v in report["flare"].items() if k != "greedy"}
     print(f"{shape_name}: flare over HTTP {http}", file=sys.stderr)
     if not args.skip_in_process:
@@ -368,10 +431,13 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--skip-compiled", action="store_true")
     parser.add_argument("--skip-in-process", action="store_true")
+    parser.add_argument("--py-spy", type=Path, default=None, help="profile the engine with it")
     parser.add_argument("--kernel-cache", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     require("transformers")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="flare-gpu-serving-"))
     reports = [measure(name, args, work) for name in args.shapes.split(",")]
     publish(reports, args.out, "gpu_serving.json")
