@@ -206,7 +206,7 @@ def serve_command(
                     "start" if compile_on_start else "package",
                     leader,
                     cuda_graphs,
-                    engine,
+                    engine=engine,
                 )
             except BaseException as exc:
                 if leader is not None:

@@ -41,13 +41,10 @@ log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 30.0
 
 
-def start_engine(
-    spec: EngineSpec, package: PackageFiles, engine: EngineProcess | None = None
-) -> EngineClient:
-    """Have `engine` (else a new engine process) load the package and wait until it has; its
-    load error is raised here as the flare error it was. `package` is the same package, read
-    here for the tokenizer, chat template and settings the API needs."""
-    engine = engine or EngineProcess()
+def start_engine(spec: EngineSpec, package: PackageFiles, engine: EngineProcess) -> EngineClient:
+    """Have `engine` load the package and wait until it has; its load error is raised here as
+    the flare error it was. `package` is the same package, read here for the tokenizer, chat
+    template and settings the API needs."""
     engine.taken = True
     ours, process = engine.conn, engine.process
     try:

@@ -116,12 +116,14 @@ def load_package_app(
     compile_mode: str = "package",
     leader: RankLeader | None = None,
     cuda_graphs: bool = True,
-    engine: EngineProcess | None = None,
+    *,
+    engine: EngineProcess,
 ) -> tuple[Runtime, FastAPI]:
     """Load the pulled package on the device pull admitted it for (printing what it cost)
-    and make its API app: a generating package in an engine process (`engine`, started
-    early, else a new one: serve/engine_process.py), an embedding one here; a multi-rank
-    package here as rank zero of `leader`'s group, once every rank has loaded its part."""
+    and make its API app: a generating package in `engine`, the engine process started
+    early (serve/engine_process.py), which is closed unused for an embedding package (loaded
+    here) and a multi-rank one (here as rank zero of `leader`'s group, once every rank has
+    loaded its part)."""
     from flare.serve.api import ServedPackage, create_app
     from flare.serve.engine_client import start_engine
     from flare.serve.engine_process import EngineSpec
@@ -146,8 +148,7 @@ def load_package_app(
         spec = EngineSpec(manifest, dict(files), plan.device, cache.root, options)
         runtime = start_engine(spec, package, engine)
     else:  # embeddings answer no streams; rank zero's engine steps its group in this process
-        if engine is not None:
-            engine.close()
+        engine.close()
         runtime = load_runtime(
             manifest,
             files,
@@ -273,9 +274,9 @@ def serving_leases(source: Registry, cache: HostCache, plan: PullPlan, url: str)
         yield
 
 
-def ask_served(ref: str, question: str, engine: EngineProcess | None = None) -> dict[str, Any]:
+def ask_served(ref: str, question: str, engine: EngineProcess) -> dict[str, Any]:
     """Pull REF, serve it on a free loopback port (a generating model in `engine`, started
-    early, else in a new engine process), ask one chat question, stop the server."""
+    early), ask one chat question, stop the server."""
     import httpx
 
     from flare.serve.server import background_server

@@ -25,6 +25,28 @@ from flare.store.package import Manifest
 CPU = torch.device("cpu")
 
 
+def child_processes(pid: int) -> dict[int, list[bytes]]:
+    """The live children of process `pid`, each with its command line's arguments (from
+    /proc): a server's engine process (multiprocessing's `spawn_main`), its ranks (`flare
+    join`), multiprocessing's resource tracker."""
+    found = {}
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            found[int(child)] = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:  # it exited meanwhile
+            continue
+    return found
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The children of `pid` that multiprocessing spawned (an engine process)."""
+    return [
+        child
+        for child, argv in child_processes(pid).items()
+        if any(b"spawn_main" in arg for arg in argv)
+    ]
+
+
 def write_random(path: Path, size: int, seed: int = 0) -> bytes:
     """A file of seeded pseudo-random bytes; returns them."""
     data = random.Random(seed).randbytes(size)

@@ -21,6 +21,7 @@ import openai
 import pytest
 import torch
 from checkpoints import make_llama
+from helpers import child_processes
 
 from flare.registry.refs import read_manifest
 from flare.registry.registry import Registry
@@ -148,13 +149,8 @@ class Server:
     def ranks(self) -> list[int]:
         """The pids of the rank processes rank zero started (`flare join`; not the
         resource tracker of multiprocessing, nor an engine process)."""
-        pid = self.process.pid
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        return [
-            int(child)
-            for child in children
-            if b"join" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-        ]
+        children = child_processes(self.process.pid)
+        return [child for child, argv in children.items() if b"join" in argv]
 
     def stop(self) -> tuple[int, str]:
         self.process.send_signal(signal.SIGTERM)

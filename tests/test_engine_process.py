@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import child_processes, spawned_children
 from test_serve import Server, build_home, flare_env
 from test_serve_faults import start_streams
 
@@ -38,11 +39,9 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine_pid(server: Server) -> int:
     """The server's engine process: its child that multiprocessing spawned (the other one is
     multiprocessing's resource tracker)."""
-    pid = server.process.pid
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    engines = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-    assert len(engines) == 1, children
-    return int(engines[0])
+    engines = spawned_children(server.process.pid)
+    assert len(engines) == 1, child_processes(server.process.pid)
+    return engines[0]
 
 
 def test_ctrl_c_to_the_whole_group_finishes_the_streams_and_exits_0(home: Path) -> None:
@@ -149,9 +148,7 @@ def processes_of(home: Path) -> list[int]:
 def test_an_embedding_package_is_served_without_an_engine_process(home: Path) -> None:
     server = Server(flare_env(home), "minilm")
     try:
-        pid = server.process.pid
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        spawned = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        spawned = spawned_children(server.process.pid)
         assert spawned == [], "the engine process started early was not let go"
         body = {"model": "minilm", "input": ["blobs are named by their digest"]}
         assert httpx.post(f"{server.url}/embeddings", json=body, timeout=60).status_code == 200

@@ -45,7 +45,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tests' helpers
+
 from gpu_package import flare, publish, require, start_server
+from helpers import spawned_children
 from stream_load import one_stream, streams
 
 HBM_BYTES_PER_S = 4.8e12
@@ -240,9 +243,9 @@ def flare_figures(
             for run, seed in (("first", 100), ("again", 200)):
                 prompts = [prompt_of(32, seed + i) for i in range(width)]
                 before = engine_counters(url)
-                raw = out_dir / f"engine_{name}_{width}.raw" if out_dir and spy else None
-                profiled = width == MAX_STREAMS and run == "again" and raw is not None
-                with engine_profile(server.pid, spy if profiled else None, raw) as frames:
+                profiled = spy and out_dir and width == MAX_STREAMS and run == "again"
+                raw = out_dir / f"engine_{name}_{width}.raw" if profiled else None
+                with engine_profile(server.pid, spy, raw) as frames:
                     load = streams(url, name, prompts, STREAM_TOKENS, pid=server.pid)
                 out[f"streams{width}_{run}"] = load.report() | engine_loop(before, url)
                 if frames:
@@ -279,15 +282,15 @@ def engine_loop(before: dict[str, float], url: str) -> dict[str, float]:
 
 @contextmanager
 def engine_profile(server_pid: int, spy: Path | None, raw: Path | None) -> Iterator[dict[str, Any]]:
-    """py-spy on the server's engine process for the length of the block, where `spy` and
-    `raw` are given: raw samples written to `raw`; once the block ends, the yielded dict
-    holds the frames with the most samples (or why there are none)."""
+    """py-spy on the server's engine process for the length of the block, where `raw` says
+    where its samples go (and `spy` is given); once the block ends, the yielded dict holds
+    the frames with the most samples (or why there are none)."""
     found: dict[str, Any] = {}
-    pid = _engine_pid(server_pid)
-    if spy is None or raw is None or pid is None:
+    engines = spawned_children(server_pid)
+    if spy is None or raw is None or not engines:
         yield found
         return
-    command = [str(spy), "record", "-p", str(pid), "-r", "500", "-f", "raw", "-o", str(raw)]
+    command = [str(spy), "record", "-p", str(engines[0]), "-r", "500", "-f", "raw", "-o", str(raw)]
     spying = subprocess.Popen([*command, "--nonblocking"], stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)  # attached before the load starts
     try:
@@ -296,14 +299,6 @@ def engine_profile(server_pid: int, spy: Path | None, raw: Path | None) -> Itera
         spying.send_signal(signal.SIGINT)
         _, err = spying.communicate(timeout=120)
         found |= top_frames(raw) if raw.exists() else {"error": err.strip()[-300:]}
-
-
-def _engine_pid(server_pid: int) -> int | None:
-    """The engine process among the server's children (multiprocessing's spawned child)."""
-    for child in Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split():
-        if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text():
-            return int(child)
-    return None
 
 
 def top_frames(raw: Path, count: int = 30) -> dict[str, Any]:
