@@ -25,7 +25,7 @@ import torch
 
 from flare.rendezvous import RankError, Rendezvous
 from flare.serve.engine.attention import AttentionBackend
-from flare.serve.engine.runner import CausalLM, FreshRows, ModelRunner, StepInput
+from flare.serve.engine.runner import CausalLM, FreshRows, ModelRunner, StepInput, StepLogits
 from flare.serve.models.shard import Shard
 
 
@@ -102,7 +102,7 @@ class LeaderRunner(ModelRunner):
     reads_fresh_tokens = False
     """The other ranks are sent each step's token ids: every one is read on the host first."""
 
-    def run_step(self, step: StepInput, fresh: FreshRows | None = None) -> torch.Tensor:
+    def run_step(self, step: StepInput, fresh: FreshRows | None = None) -> StepLogits:
         if fresh is not None:
             raise RuntimeError("tensor-parallel ranks are sent token ids, not device tokens")
         with self._lock:

@@ -115,5 +115,5 @@ def greedy_answer(
     while len(out) < tokens:
         seq.append(out[-1])
         blocks.append_slot(seq)
-        out.append(int(runner.run([seq], prefill=False)[0].argmax()))
+        out.append(int(runner.run([seq], prefill=False).logits[0].argmax()))
     return logits, out

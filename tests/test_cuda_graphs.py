@@ -13,7 +13,8 @@ from test_runtime import build_package
 from flare.build.tiny import make_tiny_llama
 from flare.serve.engine.cuda_graphs import padded_to
 from flare.serve.engine.flashinfer_attention import page_table
-from flare.serve.engine.runner import FreshRows, StepInput
+from flare.serve.engine.runner import FreshRows, StepInput, StepLogits
+from flare.serve.engine.sampler import row_max
 from flare.serve.runtime import GenerateRuntime, SamplingParams, load_runtime
 
 GPU = torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
@@ -48,10 +49,12 @@ def test_graph_decode_gives_the_logits_of_the_kernel_by_kernel_decode(tmp_path: 
     """A tiny Llama (heads of 64, which FlashInfer takes) in bfloat16, five requests of
     different lengths decoding together: every decode step, run from its graph (batches of
     5, 4, 3, 2, 1 padded to 8, 4, 4, 2, 1) and again kernel by kernel, gives the same logits
-    within bfloat16's rounding, and the tokens are those of steps that land before the next
-    is launched (the input tokens read from the device, or sent from the host); the capture
-    is in the start report and the memory plan (its memory, and the KV block its padding rows
-    take)."""
+    within bfloat16's rounding, and the rows' maxima and their indices the graph found beside
+    its logits are exactly `row_max`'s of them; the tokens (one request sampled with a seed,
+    one greedy with logprobs, the rest greedy) are those of steps that land before the next
+    is launched (the input tokens read from the device, where a sampled row's token replaced
+    the greedy one, or sent from the host); the capture is in the start report and the
+    memory plan (its memory, and the KV block its padding rows take)."""
     source = make_tiny_llama(tmp_path / "tiny", hidden=512, layers=2)
     manifest, files, _ = build_package(source, tmp_path, "tiny")
     runtime = load_runtime(manifest, files, "cuda", kv_cache_tokens=4096)
@@ -60,35 +63,51 @@ def test_graph_decode_gives_the_logits_of_the_kernel_by_kernel_decode(tmp_path: 
     assert report is not None and report.sizes[:3] == [1, 2, 4]
     assert plan is not None and plan.graphs > 0
     assert plan.kv is not None and "block for CUDA graphs" in plan.kv.how
-    runner, compared = runtime.runner, []
+    runner, compared, agreed = runtime.runner, [], []
     run_step = runner.run_step
 
-    def both(step: StepInput, fresh: FreshRows | None = None) -> torch.Tensor:
-        graphed = run_step(step, fresh).clone()
+    def both(step: StepInput, fresh: FreshRows | None = None) -> StepLogits:
+        """The step kernel by kernel, then from its graph (which reads the pending tokens
+        where the step before left them, so it goes second)."""
         replay = runner.graphs
-        if replay is not None and replay.fits(step):
-            runner.graphs = None
-            try:
-                plain = run_step(step, fresh)
-            finally:
-                runner.graphs = replay
-            compared.append((len(step.ids), float((graphed - plain).abs().max())))
+        if replay is None or not replay.fits(step):
+            return run_step(step, fresh)
+        runner.graphs = None
+        try:
+            plain = run_step(step, fresh).logits.clone()
+        finally:
+            runner.graphs = replay
+        graphed = run_step(step, fresh)
+        assert graphed.maxima is not None
+        values, indices = row_max(graphed.logits)
+        agreed.append(
+            torch.equal(values, graphed.maxima.values)
+            and torch.equal(indices, graphed.maxima.indices)
+            and torch.equal(graphed.maxima.packed[:, 0].long(), indices)
+        )
+        compared.append((len(step.ids), float((graphed.logits - plain).abs().max())))
         return graphed
 
     runner.run_step = both  # type: ignore[method-assign]
     runtime.start()
     try:
-        greedy = [
+        params = [
             SamplingParams(temperature=0, ignore_eos=True, max_tokens=4 + 3 * i) for i in range(5)
         ]
+        params[1] = SamplingParams(temperature=0.8, seed=7, ignore_eos=True, max_tokens=7)
+        params[3] = SamplingParams(temperature=0, logprobs=2, ignore_eos=True, max_tokens=13)
         prompts = [list(range(3, 3 + n)) for n in (5, 17, 40, 2, 33)]
-        ahead = [runtime.submit(p, g) for p, g in zip(prompts, greedy, strict=True)]
-        tokens = [[t for d in h for t in d.token_ids] for h in ahead]
+        ahead = [runtime.submit(p, g) for p, g in zip(prompts, params, strict=True)]
+        deltas = [list(h) for h in ahead]
+        tokens = [[t for d in h for t in d.token_ids] for h in deltas]
         assert [len(t) for t in tokens] == [4, 7, 10, 13, 16]
+        chosen = [lp.token_id for d in deltas[3] for lp in d.logprobs or []]
+        assert chosen == tokens[3]
         runtime.engine.overlap = False  # each step lands before the next is launched
-        landed_first = [runtime.submit(p, g) for p, g in zip(prompts, greedy, strict=True)]
+        landed_first = [runtime.submit(p, g) for p, g in zip(prompts, params, strict=True)]
         assert [[t for d in h for t in d.token_ids] for h in landed_first] == tokens
     finally:
         runtime.stop()
     assert {rows for rows, _ in compared} >= {5, 3, 1}
     assert max(diff for _, diff in compared) <= 2e-2, compared
+    assert agreed and all(agreed)

@@ -31,8 +31,8 @@ from test_runtime import Package, build_package
 
 from flare.serve.api import ServedPackage, create_app
 from flare.serve.engine.block_manager import BlockManager
-from flare.serve.engine.runner import FreshTokens, ModelRunner
-from flare.serve.engine.sampler import Picked, Sampled, Sampler
+from flare.serve.engine.runner import FreshTokens, ModelRunner, StepLogits
+from flare.serve.engine.sampler import Picked, RowMaxima, Sampled, Sampler
 from flare.serve.engine.sequence import Sequence
 from flare.serve.runtime import (
     GenerateRuntime,
@@ -68,7 +68,9 @@ class FaultySampler(Sampler):
     def __init__(self) -> None:
         self.rows_at_fault: list[int] = []
 
-    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+    def launch(
+        self, logits: torch.Tensor, seqs: list[Sequence], maxima: RowMaxima | None = None
+    ) -> Sampled:
         rows = [
             row
             for row, seq in enumerate(seqs)
@@ -76,7 +78,7 @@ class FaultySampler(Sampler):
         ]
         if rows:
             self.rows_at_fault.append(len(seqs))
-        return FaultySampled(super().launch(logits, seqs), rows)
+        return FaultySampled(super().launch(logits, seqs, maxima), rows)
 
 
 class FaultySampled:
@@ -104,16 +106,16 @@ class FaultyRunner(ModelRunner):
 
     def run(
         self, seqs: list[Sequence], prefill: bool, fresh: FreshTokens | None = None
-    ) -> torch.Tensor:
+    ) -> StepLogits:
         if prefill and any(seq.params.seed == FAIL_FORWARD_SEED for seq in seqs):
             raise RuntimeError("injected forward fault")
-        logits = super().run(seqs, prefill, fresh)
+        logits = super().run(seqs, prefill, fresh).logits
         for row, seq in enumerate(seqs):
             if seq.params.seed == FAIL_LOGITS_SEED and seq.num_output_tokens == 2:
                 self.rows_at_fault.append(len(seqs))
                 with torch.inference_mode():  # the forward's logits are inference tensors
                     logits[row, 7] = float("nan")
-        return logits
+        return StepLogits(logits)  # the rows' maxima, if any were made, are of the logits before
 
 
 @dataclass

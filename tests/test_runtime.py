@@ -23,7 +23,7 @@ from flare.registry.registry import Registry
 from flare.serve.engine.attention import TorchPagedAttention
 from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.output import REPLACEMENT, TextStream
-from flare.serve.engine.runner import FreshTokens, ModelRunner
+from flare.serve.engine.runner import FreshTokens, ModelRunner, StepLogits
 from flare.serve.engine.sequence import Sequence
 from flare.serve.models import load_model
 from flare.serve.models.files import PackageFiles
@@ -335,7 +335,7 @@ def test_the_next_step_is_launched_before_the_step_in_flight_lands(
     engine, delivered, at_launch = runtime.engine, [], []
     run = engine.runner.run
 
-    def launch(seqs: list[Sequence], prefill: bool, fresh: FreshTokens | None) -> torch.Tensor:
+    def launch(seqs: list[Sequence], prefill: bool, fresh: FreshTokens | None) -> StepLogits:
         at_launch.append((len(delivered), seqs[0].pending))
         return run(seqs, prefill, fresh)
 

@@ -4,21 +4,32 @@ A decode step of a small model is mostly launch overhead: the eager 1B Llama lau
 750 kernels a step, 16 ms of host time for 2 ms of GPU work. A CUDA graph records a step's
 kernels once and replays them with one launch. A graph replays fixed addresses and shapes, so
 each captured batch size has its own FlashInfer decode wrapper in CUDA-graph mode (its page
-table in fixed buffers), and all sizes share static inputs (token ids, positions, KV slots)
-and one memory pool (captured largest first, as PyTorch advises). The sizes are the decode
-batch sizes the package plans for (model_sizes.decode_batch_sizes: powers of two, then its
-max concurrency); a step of n sequences replays the graph of the smallest of at least n. At
-decode sizes a step reads every weight once whatever its batch, so padding costs little; the
-rows past n read and write a KV block kept aside for them (the pad block, which the block
-manager never hands out), and their logits are dropped.
+table in fixed buffers), and all sizes share static inputs and one memory pool (captured
+largest first, as PyTorch advises). The sizes are the decode batch sizes the package plans
+for (model_sizes.decode_batch_sizes: powers of two, then its max concurrency); a step of n
+sequences replays the graph of the smallest of at least n. At decode sizes a step reads every
+weight once whatever its batch, so padding costs little; the rows past n read and write a KV
+block kept aside for them (the pad block, which the block manager never hands out), and their
+logits are dropped.
 
-Before each replay the host writes the step's inputs and page table into pinned buffers and
-copies them to the device without waiting, then plans FlashInfer's kernels (a host-side
-computation whose results FlashInfer copies into its own buffers, also without waiting), and
-token ids still pending on the host are copied from where the step before sampled them. The
-engine launches a step while the step before still runs, so the pinned buffers are written
-again only once the copies out of them for the step before have run (an event after them).
-Prefill steps, and decode batches larger than the largest graph, run the forward as before.
+On a GPU host every call into the CUDA driver costs the engine thread tens of microseconds
+(about 40 on the H200 host measured, docs/performance.md), so a step makes few of them:
+
+- before the replay, the host writes the step's token ids, positions, KV slots, where each
+  pending token comes from, and its page indices into one pinned buffer, copied to the device
+  in one copy without waiting; FlashInfer plans the step (a host-side computation whose results
+  it copies into its own buffers, also without waiting);
+- the graph itself moves the staged values into the forward's inputs (a pending token read
+  where the step before sampled it, on the device), runs the forward, and finds each row's
+  maximum and its index (greedy sampling's answer, and each row's trust) beside the logits,
+  writing them side by side for one copy to the host;
+- so a greedy step is: one copy in, FlashInfer's plan, one replay, one copy out.
+
+The engine launches a step while the step before still runs, so the pinned buffers are
+written again only once the copies out of them for the step before have run (an event after
+them), and the tokens are read back through two pinned buffers in turn (a step's tokens are
+read before the step after the next is launched). Prefill steps, and decode batches larger
+than the largest graph, run the forward as before.
 """
 
 from __future__ import annotations
@@ -36,7 +47,8 @@ from flare.serve.engine.flashinfer_attention import (
     FlashInferPagedAttention,
     page_table,
 )
-from flare.serve.engine.runner import Forward, FreshRows, StepInput
+from flare.serve.engine.runner import Forward, FreshRows, StepInput, StepLogits
+from flare.serve.engine.sampler import RowMaxima, row_max
 
 
 @dataclass
@@ -45,6 +57,8 @@ class _Graph:
     attention: FlashInferGraphDecode
     logits: torch.Tensor
     """The graph's output, [batch, vocab] float32, overwritten by every replay."""
+    maxima: torch.Tensor
+    """Each row's maximum, [batch] float32, beside the logits (its index is in the tokens)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,11 @@ class GraphReport:
     seconds: float
     bytes: int
     """Device memory the capture took: the graphs' pool, their wrappers' buffers."""
+
+
+STAGED = 4
+"""Rows of the staging buffer ahead of the page indices: token ids, positions, KV slots, and
+for each row the row of the step before's tokens its pending token is (-1: its id is staged)."""
 
 
 class DecodeGraphs:
@@ -79,6 +98,7 @@ class DecodeGraphs:
         self._graphs: dict[int, _Graph] = {}
         self._copied: torch.cuda.Event | None = None
         """Recorded after the last step's copies out of the pinned buffers."""
+        self._replays = 0
 
     def _allocate(self, max_pages: int) -> None:
         """The static buffers every graph reads, on the device, and their pinned host twins."""
@@ -86,14 +106,21 @@ class DecodeGraphs:
         self._inputs = [torch.zeros(top, dtype=torch.int64, device=device) for _ in range(3)]
         """Token ids, positions, KV slots: three tensors of their own, as the forward was traced
         with (a view at an offset would fail a compiled forward's guards, and compile again)."""
-        self._inputs_host = torch.zeros((3, top), dtype=torch.int64, pin_memory=True)
         self._last = torch.arange(top, dtype=torch.int64, device=device)
-        self._indices = torch.zeros(max_pages, dtype=torch.int32, device=device)
+        self._staged_host = torch.zeros(
+            STAGED * top + max_pages, dtype=torch.int32, pin_memory=True
+        )
+        self._staged = torch.zeros(STAGED * top + max_pages, dtype=torch.int32, device=device)
         self._wrapper_indices = torch.zeros(max_pages, dtype=torch.int32, device=device)
-        """The page indices every size's wrapper reads (its plan copies `_indices` there)."""
-        self._indices_host = torch.zeros(max_pages, dtype=torch.int32, pin_memory=True)
-        self._table_host = torch.zeros((2, top + 1), dtype=torch.int32, pin_memory=True)
-        """FlashInfer's indptr (top + 1) and last page lengths (top), on the host."""
+        """The page indices every size's wrapper reads (its plan copies them there)."""
+        self._table_host = torch.zeros((3, top + 1), dtype=torch.int32, pin_memory=True)
+        """FlashInfer's indptr (top + 1), last page lengths and sequence lengths (top each)."""
+        self._tokens = torch.zeros(top, dtype=torch.int64, device=device)
+        """Each replay's greedy tokens, where the next replay reads its pending ones."""
+        self._packed = torch.zeros((top, 2), dtype=torch.float64, device=device)
+        self._packed_host = [
+            torch.zeros((top, 2), dtype=torch.float64, pin_memory=True) for _ in range(2)
+        ]
 
     @property
     def max_batch(self) -> int:
@@ -106,8 +133,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> GraphReport:
-        """Capture every size, largest first, into one memory pool; each size's forward is
-        run once before its capture (kernels loaded, cuBLAS's workspace made)."""
+        """Capture every size, largest first, into one memory pool; each size's step is run
+        once before its capture (kernels loaded, cuBLAS's workspace made)."""
         device = self._last.device
         torch.cuda.synchronize(device)
         free, _ = torch.cuda.mem_get_info(device)
@@ -121,54 +148,101 @@ class DecodeGraphs:
         return GraphReport(self.sizes, time.perf_counter() - started, max(0, taken))
 
     def _capture(self, size: int, pool: tuple[int, int] | None) -> _Graph:
-        ids, positions, slots = (tensor[:size] for tensor in self._inputs)
-        attention = FlashInferGraphDecode(self.attention, slots, self._wrapper_indices)
+        attention = FlashInferGraphDecode(
+            self.attention, self._inputs[2][:size], self._wrapper_indices
+        )
         self._fill(padded_to(_empty_step(), size, self.pad_block, self.block_size), attention, size)
-        args = (ids, positions, self._last[:size])
-        self.forward(*args, attention)
+        self._step(size, attention)
         torch.cuda.synchronize(self._last.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = self.forward(*args, attention)
-        return _Graph(graph, attention, logits)
+            logits, maxima = self._step(size, attention)
+        return _Graph(graph, attention, logits, maxima)
+
+    def _step(
+        self, size: int, attention: FlashInferGraphDecode
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a graph runs: the staged inputs into the forward's, the forward, each row's
+        maximum and its index (into `_tokens`, and beside it into `_packed`)."""
+        ids, positions, slots = (tensor[:size] for tensor in self._inputs)
+        staged = self._staged[: STAGED * self.max_batch].view(STAGED, -1)[:, :size]
+        positions.copy_(staged[1])
+        slots.copy_(staged[2])
+        sources = staged[3]
+        pending = self._tokens.index_select(0, sources.clamp(min=0))
+        torch.where(sources >= 0, pending, staged[0], out=ids)
+        logits = self.forward(ids, positions, self._last[:size], attention)
+        maxima, tokens = row_max(logits)
+        self._tokens[:size].copy_(tokens)
+        self._packed[:size, 0].copy_(tokens)
+        self._packed[:size, 1].copy_(maxima)
+        return logits, maxima
 
     @torch.inference_mode()
-    def run(self, step: StepInput, fresh: FreshRows | None = None) -> torch.Tensor:
-        """The step's float32 logits [sequences, vocab], from the smallest graph that holds
-        it; pending input tokens are read from `fresh`. The tensor is the graph's output:
-        the next replay of this size overwrites it."""
+    def run(self, step: StepInput, fresh: FreshRows | None = None) -> StepLogits:
+        """The step's logits [sequences, vocab] and their rows' maxima, from the smallest
+        graph that holds it; pending input tokens are read from `fresh`. The tensors are the
+        graph's: the next replay overwrites them."""
         rows = len(step.ids)
         size = next(n for n in self.sizes if n >= rows)
         graph = self._graphs[size]
-        self._fill(padded_to(step, size, self.pad_block, self.block_size), graph.attention, size)
-        if fresh is not None:
-            fresh.write(self._inputs[0])
+        self._fill(
+            padded_to(step, size, self.pad_block, self.block_size), graph.attention, size, fresh
+        )
         graph.graph.replay()
-        return graph.logits[:rows]
+        host = self._packed_host[self._replays % 2]
+        self._replays += 1
+        maxima = RowMaxima(graph.maxima[:rows], self._tokens[:rows], self._packed[:rows], host)
+        return StepLogits(graph.logits[:rows], maxima)
 
-    def _fill(self, step: StepInput, attention: FlashInferGraphDecode, size: int) -> None:
-        """Write the step's inputs and page table where the graph of `size` reads them: into
-        the pinned buffers (once the last step's copies out of them have run), then to the
-        device without a sync, then FlashInfer's plan."""
+    def _fill(
+        self,
+        step: StepInput,
+        attention: FlashInferGraphDecode,
+        size: int,
+        fresh: FreshRows | None = None,
+    ) -> None:
+        """Stage the step's inputs where the graph of `size` reads them: into the pinned
+        buffers (once the last step's copies out of them have run), to the device in one copy
+        without a sync, then FlashInfer's plan; pending tokens are taken from where the step
+        before sampled them (copied next to the graphs' own tokens first, where that step
+        was not a replay)."""
         settle(self._copied)
-        host = self._inputs_host.numpy()
-        host[0, :size], host[1, :size], host[2, :size] = step.ids, step.positions, step.slots
-        for tensor, values in zip(self._inputs, self._inputs_host, strict=True):
-            tensor[:size].copy_(values[:size], non_blocking=True)
+        top = self.max_batch
+        staged = self._staged_host.numpy()
+        grid = staged[: STAGED * top].reshape(STAGED, top)
+        grid[0, :size], grid[1, :size], grid[2, :size] = step.ids, step.positions, step.slots
+        grid[3, :size] = -1
+        if fresh is not None:
+            grid[3, fresh.rows] = fresh.sources
+            self._keep_tokens(fresh.tokens)
         pages, indices, last = page_table(step.context_lens, step.tables, self.block_size)
-        self._indices_host.numpy()[: len(indices)] = indices
-        self._indices[: len(indices)].copy_(self._indices_host[: len(indices)], non_blocking=True)
+        end = STAGED * top + len(indices)
+        staged[STAGED * top : end] = indices
+        self._staged[:end].copy_(self._staged_host[:end], non_blocking=True)
         table = self._table_host.numpy()
         table[0, 0] = 0
         np.cumsum(pages, out=table[0, 1 : size + 1])
-        table[1, :size] = last
+        table[1, :size], table[2, :size] = last, step.context_lens
         attention.plan_pages(
             self._table_host[0, : size + 1],
-            self._indices[: len(indices)],
+            self._staged[STAGED * top : end],
             self._table_host[1, :size],
+            self._table_host[2, :size],
         )
         self._copied = torch.cuda.Event()
         self._copied.record()
+
+    def _keep_tokens(self, tokens: torch.Tensor) -> None:
+        """Make the step before's sampled tokens the ones the graphs read (a replay's are
+        already there; a prefill's are copied, on the device)."""
+        if tokens.data_ptr() == self._tokens.data_ptr():
+            return
+        if len(tokens) > len(self._tokens):
+            raise RuntimeError(
+                f"{len(tokens)} pending tokens, more than the graphs' {len(self._tokens)} rows"
+            )
+        self._tokens[: len(tokens)].copy_(tokens)
 
 
 def padded_to(step: StepInput, size: int, pad_block: int, block_size: int) -> StepInput:

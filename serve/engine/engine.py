@@ -228,8 +228,8 @@ class Engine:
             return None
         started = time.perf_counter()
         try:
-            logits = self.runner.run(batch.seqs, batch.prefill, fresh)
-            sampled = self.sampler.launch(logits, batch.seqs)
+            step = self.runner.run(batch.seqs, batch.prefill, fresh)
+            sampled = self.sampler.launch(step.logits, batch.seqs, step.maxima)
         except Exception as exc:
             self._forward_failed(batch, exc)
             return None

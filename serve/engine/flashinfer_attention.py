@@ -135,11 +135,20 @@ class FlashInferGraphDecode:
             paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=device),
         )
 
-    def plan_pages(self, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
-        """The step's page table: `indptr` and `last` on the host (pinned), `indices` already
-        on the device, so nothing here waits for the GPU."""
+    def plan_pages(
+        self,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> None:
+        """The step's page table: `indptr`, `last` and the sequences' `lengths` on the host
+        (pinned), `indices` already on the device, so nothing here waits for the GPU (the
+        lengths given, FlashInfer need not work them out with torch ops on the host)."""
         base = self.base
-        self._decode.plan(indptr, indices, last, *base.plan_shape(), **base.plan_kinds())
+        self._decode.plan(
+            indptr, indices, last, *base.plan_shape(), **base.plan_kinds(), seq_lens=lengths
+        )
 
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.cache.store(layer, self.slots, kv)

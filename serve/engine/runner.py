@@ -9,6 +9,7 @@ import torch
 
 from flare.serve.engine.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from flare.serve.engine.device_io import upload
+from flare.serve.engine.sampler import RowMaxima
 from flare.serve.engine.sequence import Sequence
 
 
@@ -102,14 +103,24 @@ class FreshRows:
         input_ids.index_copy_(0, rows, self.tokens.index_select(0, sources))
 
 
+@dataclass(frozen=True)
+class StepLogits:
+    """A step's float32 logits [rows, vocab] at each sequence's last position, and, where
+    the step computed them with its forward (a CUDA-graph decode step), each row's maximum
+    and its index, which greedy sampling takes as they are."""
+
+    logits: torch.Tensor
+    maxima: RowMaxima | None = None
+
+
 class DecodeReplay(Protocol):
     """Decode steps replayed from captured CUDA graphs (cuda_graphs.py)."""
 
     def fits(self, step: StepInput) -> bool:
         """Whether a captured graph can run this step."""
 
-    def run(self, step: StepInput, fresh: FreshRows | None) -> torch.Tensor:
-        """The step's float32 logits [sequences, vocab]."""
+    def run(self, step: StepInput, fresh: FreshRows | None) -> StepLogits:
+        """The step's logits, with their rows' maxima."""
 
 
 @dataclass(frozen=True)
@@ -159,13 +170,13 @@ class ModelRunner:
 
     def run(
         self, seqs: list[Sequence], prefill: bool, fresh: FreshTokens | None = None
-    ) -> torch.Tensor:
-        """Float32 logits [len(seqs), vocab] at each sequence's last position; a pending
-        newest token is read from `fresh`."""
+    ) -> StepLogits:
+        """The logits [len(seqs), vocab] at each sequence's last position; a pending newest
+        token is read from `fresh`."""
         return self.run_step(self.step_input(seqs, prefill), FreshRows.of(seqs, fresh))
 
     @torch.inference_mode()
-    def run_step(self, step: StepInput, fresh: FreshRows | None = None) -> torch.Tensor:
+    def run_step(self, step: StepInput, fresh: FreshRows | None = None) -> StepLogits:
         """The forward of one step's batch, however it was scheduled."""
         if self.graphs is not None and self.graphs.fits(step):
             return self.graphs.run(step, fresh)
@@ -174,7 +185,7 @@ class ModelRunner:
             fresh.write(input_ids)
         self.attention.plan(meta)
         last = meta.query_start_loc[1:] - 1
-        return self.forward(input_ids, positions, last, self.attention)
+        return StepLogits(self.forward(input_ids, positions, last, self.attention))
 
     def prepare(
         self, seqs: list[Sequence], prefill: bool

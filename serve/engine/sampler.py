@@ -54,12 +54,19 @@ class Sampler:
         device for the whole batch, one more before it when seeded rows sample."""
         return self.launch(logits, seqs).read()
 
-    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+    def launch(
+        self, logits: torch.Tensor, seqs: list[Sequence], maxima: RowMaxima | None = None
+    ) -> Sampled:
         """Start sampling: the tokens are on the device when this returns (the next step may
         take them there), and on their way to the host, which `Sampled.read` waits for.
-        Seeded rows read their distributions here (the host draws them)."""
+        Seeded rows read their distributions here (the host draws them). `maxima`: the
+        rows' maxima where the step's forward computed them; a batch that is all greedy and
+        asks no logprobs then only copies them to the host."""
         groups = _Groups.of(seqs)
-        maxima, tokens = row_max(logits)  # NaN where a NaN is, +inf where +inf, -inf where all are
+        if maxima is not None and groups.greedy_alone:
+            return Sampled(maxima.indices, [], [], _ReadBack.packed(maxima))
+        # NaN where a NaN is, +inf where +inf, -inf where all are
+        values, tokens = (maxima.values, maxima.indices) if maxima else row_max(logits)
         if groups.free:
             free = upload(groups.free, torch.long, logits.device)
             asks = [seqs[row].params for row in groups.free]
@@ -67,13 +74,26 @@ class Sampler:
             tokens[free] = draw(logits[free], settings)
         if groups.seeded:
             seeded = upload(groups.seeded, torch.long, logits.device)
-            drawn = _draw_seeded(logits, maxima[seeded], groups.seeded, seqs)
+            drawn = _draw_seeded(logits, values[seeded], groups.seeded, seqs)
             tokens[seeded] = upload(drawn, torch.long, logits.device)
         wanted = [seqs[row].params.logprobs or 0 for row in groups.logprobs]
-        parts = [tokens, maxima]
+        parts = [tokens, values]
         if groups.logprobs:
             parts += _logprobs(logits, tokens, groups.logprobs, max(wanted))
-        return Sampled(tokens, groups.logprobs, wanted, _ReadBack(parts))
+        return Sampled(tokens, groups.logprobs, wanted, _ReadBack.of(parts))
+
+
+@dataclass(frozen=True)
+class RowMaxima:
+    """Each row's maximum and the first index holding it (`row_max`), computed beside the
+    logits by the step that made them (a decode step's CUDA graph), and the same side by
+    side in float64 [rows, 2] (index, maximum), which one copy brings to `host` (pinned,
+    at least as many rows; the caller keeps it unread-over until the step has landed)."""
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    packed: torch.Tensor
+    host: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -93,26 +113,49 @@ class Sampled:
 
 
 class _ReadBack:
-    """Device tensors copied to the host in one copy, started now, without waiting (into
-    pinned memory, where the device is a GPU): flattened, as float64 (token ids and flags
-    are exact in it)."""
+    """Device values copied to the host in one copy, started now, without waiting (into
+    pinned memory, where the device is a GPU), as float64 (token ids and flags are exact in
+    it): parts one after another (`of`), or tokens and maxima side by side (`packed`)."""
 
-    def __init__(self, parts: list[torch.Tensor]) -> None:
-        self.sizes = [part.numel() for part in parts]
-        flat = torch.cat([part.reshape(-1).double() for part in parts])
+    def __init__(
+        self,
+        source: torch.Tensor,
+        sizes: list[int],
+        host: torch.Tensor | None = None,
+        interleaved: bool = False,
+    ) -> None:
+        """`host`: a pinned buffer of `source`'s shape to copy into (else one is made)."""
+        self.sizes, self.interleaved = sizes, interleaved
         self.done: torch.cuda.Event | None = None
-        if flat.device.type != "cuda":
-            self.host = flat
+        if source.device.type != "cuda":
+            self.host = source
             return
-        self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        self.host.copy_(flat, non_blocking=True)
+        if host is None:
+            host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        self.host = host
+        self.host.copy_(source, non_blocking=True)
         self.done = torch.cuda.Event()
         self.done.record()
+
+    @classmethod
+    def of(cls, parts: list[torch.Tensor]) -> _ReadBack:
+        """Parts of any shapes, flattened and joined on the device first."""
+        flat = torch.cat([part.reshape(-1).double() for part in parts])
+        return cls(flat, [part.numel() for part in parts])
+
+    @classmethod
+    def packed(cls, maxima: RowMaxima) -> _ReadBack:
+        """The tokens and maxima a step computed side by side: one copy into their pinned
+        buffer, nothing made anew on the device or the host."""
+        rows = len(maxima.packed)
+        return cls(maxima.packed, [rows, rows], maxima.host[:rows], interleaved=True)
 
     def read(self) -> list[list[float]]:
         """The parts' values, one list per part, once the copy is done."""
         settle(self.done)
-        flat = self.host.tolist()
+        flat = self.host.reshape(-1).tolist()
+        if self.interleaved:
+            return [flat[0::2], flat[1::2]]
         out, at = [], 0
         for size in self.sizes:
             out.append(flat[at : at + size])
@@ -128,6 +171,11 @@ class _Groups:
     free: list[int]
     seeded: list[int]
     logprobs: list[int]
+
+    @property
+    def greedy_alone(self) -> bool:
+        """Every row greedy, none asking for logprobs: the row maxima are the whole answer."""
+        return not (self.free or self.seeded or self.logprobs)
 
     @classmethod
     def of(cls, seqs: list[Sequence]) -> _Groups:

@@ -58,11 +58,11 @@ def generate(
     runner, blocks, seqs = _engine(kind, torch.bfloat16, model, prompts, decode)
     torch.cuda.synchronize()
     started = time.perf_counter()
-    _advance(seqs, _greedy(runner.run(seqs, prefill=True)), blocks)
+    _advance(seqs, _greedy(runner.run(seqs, prefill=True).logits), blocks)
     torch.cuda.synchronize()
     prefilled = time.perf_counter()
     for _ in range(decode - 1):
-        _advance(seqs, _greedy(runner.run(seqs, prefill=False)), blocks)
+        _advance(seqs, _greedy(runner.run(seqs, prefill=False).logits), blocks)
     torch.cuda.synchronize()
     done = time.perf_counter()
     outputs = [seq.token_ids[len(p) :] for seq, p in zip(seqs, prompts, strict=True)]
@@ -110,7 +110,7 @@ def lockstep(model: LlamaForCausalLM, prompts: list[list[int]], decode: int) -> 
     ]
     tally = Lockstep(("torch", "flashinfer"))
     for step in range(decode):
-        truth, *rounded = (runner.run(seqs, prefill=step == 0) for runner, _, seqs in sides)
+        truth, *rounded = (runner.run(seqs, prefill=step == 0).logits for runner, _, seqs in sides)
         forced = tally.add(truth, dict(zip(tally.names, rounded, strict=True)))
         for _, blocks, seqs in sides:
             _advance(seqs, forced, blocks)

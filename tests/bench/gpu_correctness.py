@@ -199,7 +199,7 @@ def step_logits(runtime: GenerateRuntime, seqs: list[Sequence], prefill: bool) -
     """One step of the runtime's runner, the call the engine makes each step (a decode step
     replays a graph on the graph path): float32 logits [len(seqs), vocab], copied out of any
     buffer the next step reuses."""
-    return runtime.runner.run(seqs, prefill).float().clone()
+    return runtime.runner.run(seqs, prefill).logits.float().clone()
 
 
 @contextmanager

@@ -6,9 +6,10 @@ behind its engine joins the deltas of one request into one event (serve/engine/o
 a line is not a token, and counting lines under-reports exactly the fastest servers; and one
 Python process parsing 64 streams holds a GIL that the load then measures as well. Here each
 client process runs its share of the streams on its own event loop, every stream asks for its
-usage (`stream_options.include_usage`), and the streams of all processes start at one
-wall-clock instant, so the total rate is the tokens of all over the span from the first
-start to the last end.
+usage (`stream_options.include_usage`), and the streams of all processes start together
+(each process, up and connected, waits at one barrier), so the total rate is the tokens of
+all over the span from the first start to the last end; `start_spread_s` says how far apart
+the first and the last stream started.
 
     from stream_load import completion_body, one_stream, streams
 """
@@ -21,12 +22,15 @@ import multiprocessing
 import os
 import time
 from dataclasses import dataclass
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 PROCESSES = 8
 """Client processes at most (each runs width / PROCESSES streams on one event loop)."""
-START_DELAY_S = 2.0
-"""How far ahead the common start is set, so every client process is up and waiting."""
+READY_TIMEOUT_S = 120.0
+"""How long a client process waits at the barrier for the others to be up."""
+RESULT_TIMEOUT_S = 900.0
 ENGINE_THREAD = "flare-engine"
 READER_THREAD = "flare-reader"
 SENDER_THREAD = "flare-sender"
@@ -82,24 +86,30 @@ def completion_body(name: str, prompt: str, tokens: int) -> dict:
     }
 
 
-async def _share(url: str, bodies: list[dict], start_at: float) -> list[Streamed]:
+async def _share(url: str, bodies: list[dict], ready: Barrier | None) -> list[Streamed]:
     import httpx
 
     limits = httpx.Limits(max_connections=len(bodies) + 2)
     async with httpx.AsyncClient(limits=limits) as client:
         (await client.get(f"{url}/models")).raise_for_status()  # the client's first-use costs
-        await asyncio.sleep(max(0.0, start_at - time.time()))
+        if ready is not None:
+            ready.wait(READY_TIMEOUT_S)  # nothing else runs on this loop yet
         return await asyncio.gather(*(_stream(client, url, body) for body in bodies))
 
 
-def _run_share(url: str, bodies: list[dict], start_at: float) -> list[Streamed]:
-    """In a client process: its streams, started together at `start_at`."""
-    return asyncio.run(_share(url, bodies, start_at))
+def _client(url: str, bodies: list[dict], ready: Barrier, results: Queue) -> None:
+    """A client process: its streams, started once every client process is ready; its
+    results, or its error, go to `results`."""
+    try:
+        results.put(asyncio.run(_share(url, bodies, ready)))
+    except BaseException as exc:
+        results.put(RuntimeError(f"a client process failed: {type(exc).__name__}: {exc}"))
+        raise
 
 
 def one_stream(url: str, name: str, prompt: str, tokens: int) -> Streamed:
     """One streamed completion, in this process."""
-    return asyncio.run(_share(url, [completion_body(name, prompt, tokens)], time.time()))[0]
+    return asyncio.run(_share(url, [completion_body(name, prompt, tokens)], None))[0]
 
 
 def thread_cpu(pid: int) -> dict[Path, tuple[str, float]]:
@@ -168,6 +178,8 @@ class Load:
     tokens: int
     seconds: float
     first_token_s: float
+    start_spread_s: float
+    """From the first stream's start to the last's: near zero where the load was concurrent."""
     cpu: dict[str, float] | None = None
 
     @property
@@ -180,6 +192,7 @@ class Load:
             "tokens": self.tokens,
             "seconds": round(self.seconds, 3),
             "median_first_token_s": round(self.first_token_s, 4),
+            "start_spread_s": round(self.start_spread_s, 4),
         }
         for role, seconds in (self.cpu or {}).items():
             out[f"{role}_cpu_us_per_token"] = round(1e6 * seconds / self.tokens, 1)
@@ -194,14 +207,27 @@ def streams(url: str, name: str, prompts: list[str], tokens: int, pid: int | Non
     before = thread_cpu(pid) if pid is not None else None
     bodies = [completion_body(name, prompt, tokens) for prompt in prompts]
     processes = min(PROCESSES, len(bodies))
-    shares = [bodies[i::processes] for i in range(processes)]
-    start_at = time.time() + START_DELAY_S
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        done = pool.starmap(_run_share, [(url, share, start_at) for share in shares])
+    context = multiprocessing.get_context("spawn")
+    ready, results = context.Barrier(processes), context.Queue()
+    clients = [
+        context.Process(target=_client, args=(url, bodies[i::processes], ready, results))
+        for i in range(processes)
+    ]
+    for client in clients:
+        client.start()
+    done = [results.get(timeout=RESULT_TIMEOUT_S) for _ in clients]
+    for client in clients:
+        client.join()
+    failed = [share for share in done if isinstance(share, Exception)]
+    if failed:
+        raise failed[0]
     cpu = None
     if pid is not None and before is not None:
         cpu = server_cpu(pid, before)
     every = [s for share in done for s in share]
-    span = max(s.ended for s in every) - min(s.started for s in every)
+    starts = [s.started for s in every]
+    span = max(s.ended for s in every) - min(starts)
     firsts = sorted(s.first - s.started for s in every)
-    return Load(len(every), sum(s.tokens for s in every), span, firsts[len(firsts) // 2], cpu)
+    median_first = firsts[len(firsts) // 2]
+    spread = max(starts) - min(starts)
+    return Load(len(every), sum(s.tokens for s in every), span, median_first, spread, cpu)
