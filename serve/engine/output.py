@@ -1,7 +1,8 @@
 """What a request gives back: text deltas, cut at stop strings, streamed to its caller.
 
-Text is decoded incrementally over a short window of tokens and released only when it
-decodes cleanly, so a multi-byte character split over tokens is never emitted in halves.
+Text is decoded incrementally by the tokenizers library's `DecodeStream` (one call a token,
+over a short window of tokens) and released only when it decodes cleanly, so a multi-byte
+character split over tokens is never emitted in halves.
 Text that could be the start of a stop string is held back until it is clearly not one.
 """
 
@@ -14,10 +15,9 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from flare.serve.engine.sequence import TokenLogprob
-
-REPLACEMENT = "\ufffd"
 
 
 @dataclass(frozen=True)
@@ -59,15 +59,13 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
-        self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
+        self._decoder = DecodeStream(skip_special_tokens=True)
         self.pending = ""
         """Decoded text not yet emitted (it may begin a stop string)."""
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Add a token; return the text now safe to emit and whether a stop string was hit."""
-        self.pending += self._decode_new(token_id)
+        self.pending += self._decoder.step(self.tokenizer, token_id) or ""
         for stop in self.stop:
             at = self.pending.find(stop)
             if at >= 0:
@@ -77,18 +75,6 @@ class TextStream:
     def flush(self) -> str:
         """The text held back, when the request ends without a stop string."""
         return self._take(len(self.pending))
-
-    def _decode_new(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        after = self._decode(self.ids[self.prefix_offset :])
-        if len(after) <= len(before) or after.endswith(REPLACEMENT):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return after[len(before) :]
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _held_back(self) -> int:
         """The longest tail of the pending text that begins some stop string."""
