@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 from flare.serve.engine.sampler import (
     LOGPROB_FLOOR,
     Picked,
+    RowMaxima,
     Sampler,
     Settings,
     cut_logits,
@@ -419,3 +420,48 @@ def test_nothing_in_the_batched_pass_reads_the_device_before_its_one_read(
     sampled = Sampler().launch(logits, seqs)  # the whole pass, up to the read: nothing raises
     with pytest.raises(NotImplementedError, match="meta tensor"):
         sampled.read()
+
+
+def step_maxima(logits: torch.Tensor) -> RowMaxima:
+    """The rows' maxima as a CUDA-graph step leaves them: made in inference mode beside the
+    logits (its buffers are inference tensors), packed side by side for one copy."""
+    with torch.inference_mode():
+        values, indices = row_max(logits)
+        packed = torch.stack([indices.double(), values.double()], dim=1)
+        return RowMaxima(values, indices, packed, torch.empty_like(packed))
+
+
+def test_the_maxima_a_step_computed_give_what_its_logits_give() -> None:
+    """A step that computed its rows' maxima with its logits: an all-greedy batch takes them
+    as they are (the same tokens, a NaN row failing alone); a mixed batch (greedy, seeded,
+    unseeded, logprobs) draws its sampled rows over them, into the step's own tokens (where
+    the next step reads them), and gives what the same batch gives from the logits alone."""
+    with torch.inference_mode():
+        logits = torch.stack([logits_row(seed, vocab=256) for seed in range(4)])
+        logits[2, 5] = float("nan")
+    greedy = [Sequence([1], SamplingParams(temperature=0), max_tokens=4) for _ in range(4)]
+    maxima = step_maxima(logits)
+    taken = Sampler().launch(logits, greedy, maxima)
+    assert taken.tokens is maxima.indices
+    from_logits = Sampler().launch(logits, greedy).read()
+    assert str(taken.read()) == str(from_logits)
+    assert isinstance(from_logits[2], ValueError)
+
+    def mixed() -> list[Sequence]:
+        asks = [
+            {"temperature": 0},
+            {"temperature": 0.9, "seed": 11},
+            {"temperature": 0.7},
+            {"temperature": 0, "logprobs": 3},
+        ]
+        return [Sequence([1], SamplingParams(**ask), max_tokens=4) for ask in asks]  # type: ignore[arg-type]
+
+    with torch.inference_mode():
+        logits[2, 5] = 0.0
+    maxima = step_maxima(logits)
+    beside, alone = Sampler().launch(logits, mixed(), maxima), Sampler().launch(logits, mixed())
+    assert beside.tokens is maxima.indices
+    drawn, expected = beside.read(), alone.read()
+    assert [drawn[row] for row in (0, 1, 3)] == [expected[row] for row in (0, 1, 3)]
+    assert maxima.indices.tolist()[:2] == [picked(drawn[0])[0], picked(drawn[1])[0]]
+    assert 0 <= picked(drawn[2])[0] < 256

@@ -54,6 +54,7 @@ class Sampler:
         device for the whole batch, one more before it when seeded rows sample."""
         return self.launch(logits, seqs).read()
 
+    @torch.inference_mode()  # a CUDA-graph step's tokens are its buffer's, an inference tensor
     def launch(
         self, logits: torch.Tensor, seqs: list[Sequence], maxima: RowMaxima | None = None
     ) -> Sampled:
