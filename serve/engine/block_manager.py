@@ -92,7 +92,11 @@ class BlockManager:
     def name_newest(self, seq: Sequence) -> None:
         """Name the block holding the newest token if it is full and handed out: at the
         newest token's slot, or when a pending token resolves after its slot was handed
-        out (its KV written by a step launched before anything later reads it)."""
+        out (its KV written by a step launched before anything later reads it). A block is
+        full only when the newest token takes its last slot: every other token returns at
+        once (this runs for every token of every sequence)."""
+        if len(seq.token_ids) % self.block_size:
+            return
         index = (len(seq) - 1) // self.block_size
         if index >= len(seq.block_table):
             return
@@ -100,7 +104,8 @@ class BlockManager:
         self._name_if_full(self.blocks[seq.block_table[index]], seq, index, previous)
 
     def _needs_block(self, seq: Sequence) -> bool:
-        return len(seq.block_table) < seq.num_blocks(self.block_size)
+        """Whether the sequence's tokens fill more blocks than its table holds."""
+        return len(seq.block_table) * self.block_size < len(seq.token_ids)
 
     # -- release --------------------------------------------------------------------------
 

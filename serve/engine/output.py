@@ -48,6 +48,15 @@ def _move_all(handles: list[RequestHandle]) -> None:
         handle._move_handed()
 
 
+def _wake(loop: asyncio.AbstractEventLoop, handles: list[RequestHandle]) -> None:
+    """Have the readers' loop move what was handed to the handles into their queues."""
+    try:
+        loop.call_soon_threadsafe(_move_all, handles)
+    except RuntimeError:  # the consumers' loop closed: nobody is listening any more
+        for handle in handles:
+            handle._cancel()
+
+
 class RequestFailed(RuntimeError):
     """The engine ended this request with an error of its own (or of its batch's forward);
     the message names the request and the cause. Other requests were not touched."""
@@ -120,7 +129,9 @@ class RequestHandle:
         """Called by the engine thread. An async reader's loop is woken once for whatever
         was pushed before it ran (not once a token: a wake-up is a system call and a loop
         turn, which 64 streams would pay 64 times a step)."""
-        RequestHandle.push_all([(self, item)])
+        loop = self._hand(item)
+        if loop is not None:
+            _wake(loop, [self])
 
     @staticmethod
     def push_all(pushes: Iterable[tuple[RequestHandle, Delta | BaseException]]) -> None:
@@ -132,11 +143,7 @@ class RequestHandle:
             if loop is not None:
                 waking.setdefault(loop, []).append(handle)
         for loop, handles in waking.items():
-            try:
-                loop.call_soon_threadsafe(_move_all, handles)
-            except RuntimeError:  # the consumers' loop closed: nobody is listening any more
-                for handle in handles:
-                    handle._cancel()
+            _wake(loop, handles)
 
     def _hand(self, item: Delta | BaseException) -> asyncio.AbstractEventLoop | None:
         """Queue, forward or hand `item` over; the loop to wake for it, if one must be."""

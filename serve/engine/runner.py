@@ -195,20 +195,42 @@ class ModelRunner:
 
     def step_input(self, seqs: list[Sequence], prefill: bool) -> StepInput:
         """The batch's tokens to compute: a prefill computes everything after the cached
-        prefix, a decode the newest token."""
+        prefix, a decode the newest token. The tables are the sequences' own lists, read
+        before the step ends (the scheduler changes them only between steps)."""
+        if not prefill:
+            return self._decode_input(seqs)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens: list[int] = []
         for seq in seqs:
-            start = seq.num_cached_tokens if prefill else len(seq) - 1
+            start = seq.num_cached_tokens
             ids += seq.token_ids[start:]
             positions += range(start, len(seq))
             slots += (self._slot(seq, p) for p in range(start, len(seq)))
             query_lens.append(len(seq) - start)
-        tables = [list(seq.block_table) for seq in seqs]
+        tables = [seq.block_table for seq in seqs]
         context_lens = [len(seq) for seq in seqs]
         return StepInput(ids, positions, slots, query_lens, context_lens, tables)
+
+    def _decode_input(self, seqs: list[Sequence]) -> StepInput:
+        """A decode step's input, one token a sequence: made list by list, as the host loop
+        makes it for every sequence at every step."""
+        size = self.block_size
+        lengths = [len(seq.token_ids) for seq in seqs]
+        positions = [n - 1 for n in lengths]
+        slots = [
+            seq.block_table[p // size] * size + p % size
+            for seq, p in zip(seqs, positions, strict=True)
+        ]
+        return StepInput(
+            ids=[seq.token_ids[-1] for seq in seqs],
+            positions=positions,
+            slots=slots,
+            query_lens=[1] * len(seqs),
+            context_lens=lengths,
+            tables=[seq.block_table for seq in seqs],
+        )
 
     def _slot(self, seq: Sequence, position: int) -> int:
         block = seq.block_table[position // self.block_size]

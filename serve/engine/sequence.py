@@ -103,7 +103,8 @@ class Sequence:
         """Whether the newest token is a placeholder: sampled by a step still on the device,
         whose value the next step reads there (the engine's overlap) and the host learns
         when that step lands (`resolve`)."""
-        return self.token_ids[-1:] == [PENDING]
+        ids = self.token_ids
+        return bool(ids) and ids[-1] == PENDING
 
     def append_pending(self) -> None:
         """Count the token a step in flight is sampling, before its value is known."""
