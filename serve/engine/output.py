@@ -74,7 +74,10 @@ class TextStream:
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Add a token; return the text now safe to emit and whether a stop string was hit."""
-        self.pending += self._decoder.step(self.tokenizer, token_id) or ""
+        text = self._decoder.step(self.tokenizer, token_id) or ""
+        if not self.stop:  # nothing is ever held back
+            return text, False
+        self.pending += text
         for stop in self.stop:
             at = self.pending.find(stop)
             if at >= 0:
