@@ -289,8 +289,12 @@ class _EngineSide:
                 return
 
     def _post(self, message: Event) -> None:
+        """Send one message. Pickled by `pickle` itself: `Connection.send`'s pickler copies
+        the copyreg table for every message (for handles and sockets, never sent here), a
+        cost the sender paid under the GIL the engine thread needs; `recv` reads it as is."""
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
         with contextlib.suppress(OSError):  # the API process is gone: serve() sees it and stops
-            self.conn.send(message)
+            self.conn.send_bytes(data)
 
 
 def ends_request(item: Delta | BaseException) -> bool:
