@@ -104,8 +104,7 @@ class BlockManager:
         self._name_if_full(self.blocks[seq.block_table[index]], seq, index, previous)
 
     def _needs_block(self, seq: Sequence) -> bool:
-        """Whether the sequence's tokens fill more blocks than its table holds."""
-        return len(seq.block_table) * self.block_size < len(seq.token_ids)
+        return len(seq.block_table) < seq.num_blocks(self.block_size)
 
     # -- release --------------------------------------------------------------------------
 

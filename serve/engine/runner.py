@@ -216,13 +216,9 @@ class ModelRunner:
     def _decode_input(self, seqs: list[Sequence]) -> StepInput:
         """A decode step's input, one token a sequence: made list by list, as the host loop
         makes it for every sequence at every step."""
-        size = self.block_size
         lengths = [len(seq.token_ids) for seq in seqs]
         positions = [n - 1 for n in lengths]
-        slots = [
-            seq.block_table[p // size] * size + p % size
-            for seq, p in zip(seqs, positions, strict=True)
-        ]
+        slots = [self._slot(seq, p) for seq, p in zip(seqs, positions, strict=True)]
         return StepInput(
             ids=[seq.token_ids[-1] for seq in seqs],
             positions=positions,

@@ -31,6 +31,7 @@ PROCESSES = 8
 READY_TIMEOUT_S = 120.0
 """How long a client process waits at the barrier for the others to be up."""
 RESULT_TIMEOUT_S = 900.0
+"""How long the bench waits for a client process's streams to end."""
 ENGINE_THREAD = "flare-engine"
 READER_THREAD = "flare-reader"
 SENDER_THREAD = "flare-sender"
