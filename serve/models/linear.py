@@ -1,0 +1,146 @@
+"""Linear layers of a decode step: a matrix product of few rows at the memory's speed.
+
+A decode step multiplies a few rows (one per sequence) by each weight matrix, so its time is
+the time to read the weights once. cuBLAS, which `F.linear` calls, read them at 1.7 TB/s for
+q/k/v and o_proj at 16 rows on an H200 (docs/performance.md): its tiles are cut for many rows,
+so a 2048-wide output fills 32 of 132 multiprocessors. `few_rows` is a Triton kernel for
+up to `FEW_ROWS` rows that cuts the output into narrow column tiles (every multiprocessor
+busy) and, where the columns are still too few, splits the reduction: each program sums its
+part of K into a float32 buffer, and the last of a tile's programs to finish (a counter it
+takes) adds the parts in their order and writes the tile. One kernel, no atomics on values.
+
+Every output element is summed in the same order whatever the number of rows (the K loop and
+the split depend on the weight's shape alone), so a sequence decoded in a batch of 1 or of
+64 gets the same bits from these layers: what batch-invariant serving needs of its products.
+
+`linear(x, weight, bias)` is the one entry the model uses: an opaque `flare::linear`
+operator on CUDA (a compiled forward keeps one graph for every row count, and the operator
+decides per call: `few_rows` up to FEW_ROWS rows, cuBLAS above), plain `F.linear` elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU build of torch ships without Triton
+    triton = None
+
+FEW_ROWS = 64
+"""The most rows `few_rows` takes; the package's captured decode batches are up to its max
+concurrency, and prefills are longer."""
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How `few_rows` cuts one product: output columns per program, K per loop step, the
+    reduction's parts, and Triton's launch settings."""
+
+    block_n: int
+    block_k: int
+    split: int
+    warps: int
+    stages: int
+
+
+def tiling(rows: int, n: int, k: int) -> Tiling:
+    """The tiling for a [rows, k] x [k, n] product (H200 measurements: docs/performance.md)."""
+    return Tiling(block_n=16, block_k=256, split=1, warps=4, stages=4)
+
+
+def block_rows(rows: int) -> int:
+    """Rows a program holds: Triton's tensor-core product takes 16 at least."""
+    return max(16, triton.next_power_of_2(rows))
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["rows"])
+    def _few_rows_kernel(
+        x_ptr, w_ptr, out_ptr, parts_ptr, counts_ptr, rows, n, k,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    ):  # fmt: skip
+        """Program (tile, part): x[:, part's K] @ w[tile's columns, part's K]^T. With SPLIT
+        parts, each writes float32 to parts[part] and takes the tile's counter; the last adds
+        parts 0..SPLIT-1 in order, writes the tile and sets the counter back to 0."""
+        tile = tl.program_id(0)
+        part = tl.program_id(1)
+        at_m = tl.arange(0, BLOCK_M)
+        at_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        at_k = tl.arange(0, BLOCK_K)
+        steps = tl.cdiv(k, BLOCK_K)
+        per_part = tl.cdiv(steps, SPLIT)
+        first = part * per_part
+        last = tl.minimum(first + per_part, steps)
+        row_ok = at_m[:, None] < rows
+        col_ok = at_n[None, :] < n
+        x_at = x_ptr + at_m[:, None] * k + at_k[None, :]
+        w_at = w_ptr + at_n[None, :].to(tl.int64) * k + at_k[:, None]
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(first, last):
+            offset = step * BLOCK_K
+            if EVEN_K:
+                x = tl.load(x_at + offset, mask=row_ok, other=0.0)
+                w = tl.load(w_at + offset, mask=col_ok, other=0.0)
+            else:
+                x = tl.load(x_at + offset, mask=row_ok & (at_k[None, :] + offset < k), other=0.0)
+                w = tl.load(w_at + offset, mask=col_ok & (at_k[:, None] + offset < k), other=0.0)
+            total = tl.dot(x, w, total)
+        out_at = out_ptr + at_m[:, None] * n + at_n[None, :]
+        if SPLIT == 1:
+            tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
+        else:
+            parts_at = parts_ptr + at_m[:, None] * n + at_n[None, :]
+            tl.store(parts_at + part * rows * n, total, mask=row_ok & col_ok)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counts_ptr + tile, 1, sem="acq_rel")
+            if arrived == SPLIT - 1:
+                summed = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for other in tl.static_range(SPLIT):
+                    summed += tl.load(
+                        parts_at + other * rows * n, mask=row_ok & col_ok, other=0.0,
+                        cache_modifier=".cg",
+                    )  # fmt: skip
+                tl.store(out_at, summed.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
+                tl.atomic_xchg(counts_ptr + tile, 0)
+
+
+_counts: dict[torch.device, torch.Tensor] = {}
+"""Each device's tile counters: zero between launches (the last program of a tile resets its
+own), so one buffer serves every product, and a captured graph replays with it as it is."""
+
+COUNTERS = 1 << 16
+"""Tiles a split product may have: 65,536 at 16 columns covers a 1M-wide output."""
+
+
+def few_rows(x: torch.Tensor, weight: torch.Tensor, cut: Tiling | None = None) -> torch.Tensor:
+    """x @ weight.T for x [rows ≤ FEW_ROWS, k] and weight [n, k], both contiguous, one dtype."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    cut = cut or tiling(rows, n, k)
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(n, cut.block_n)
+    if cut.split > 1:
+        parts = torch.empty((cut.split, rows, n), dtype=torch.float32, device=x.device)
+        counts = _counters(x.device, tiles)
+    else:
+        parts = counts = out
+    _few_rows_kernel[(tiles, cut.split)](
+        x, weight, out, parts, counts, rows, n, k,
+        BLOCK_M=block_rows(rows), BLOCK_N=cut.block_n, BLOCK_K=cut.block_k, SPLIT=cut.split,
+        EVEN_K=k % cut.block_k == 0, num_warps=cut.warps, num_stages=cut.stages,
+    )  # fmt: skip
+    return out
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    if tiles > COUNTERS:
+        raise ValueError(f"a split product of {tiles} column tiles (at most {COUNTERS})")
+    if device not in _counts:
+        _counts[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _counts[device]

@@ -1,0 +1,166 @@
+"""The decode step's matrix products on one GPU: flare's `few_rows` kernel against cuBLAS.
+
+For each weight shape of the Llama 1B and 8B shapes (q/k/v, o_proj, gate/up, down_proj,
+lm_head) and each row count, times cuBLAS (`F.linear`) and `few_rows` under every tiling of a
+grid, and prints each one's time and read bandwidth, the best tiling, and how far the tiling
+that `linear.tiling` picks is from it. Every result is checked against a float32 product.
+
+Timing: a CUDA graph of back-to-back products, cycling through copies of the weight that
+together pass 4x the L2 cache, so every product reads its weight from HBM as a step does;
+the graph is replayed and timed with CUDA events; the figure is the median replay's time
+divided by its products.
+
+    python tests/bench/gpu_linear.py --out $OUT            # the grid (a few minutes)
+    python tests/bench/gpu_linear.py --picked --out $OUT   # only linear.tiling's choices
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from flare.serve.models.linear import Tiling, few_rows, tiling
+
+SHAPES = {
+    "1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
+           "down": (2048, 8192), "lm_head": (128256, 2048)},
+    "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+           "down": (4096, 14336), "lm_head": (128256, 4096)},
+}  # fmt: skip
+"""(n, k) of each weight: output features, input features."""
+ROWS = (1, 16, 64)
+L2_BYTES = 50 * 2**20
+PRODUCTS = 24
+"""Products a timed graph runs (at least; enough copies to pass 4x L2)."""
+REPLAYS = 7
+
+
+def grid() -> list[Tiling]:
+    return [
+        Tiling(block_n=n, block_k=k, split=s, warps=w, stages=st)
+        for n, k, s, w, st in itertools.product(
+            (16, 32, 64), (128, 256, 512), (1, 2, 4), (4,), (3, 5)
+        )
+    ]
+
+
+def copies_of(weight: torch.Tensor) -> list[torch.Tensor]:
+    count = max(2, math.ceil(4 * L2_BYTES / (weight.numel() * weight.element_size())))
+    return [weight] + [weight.clone() for _ in range(count - 1)]
+
+
+def time_graph(run, weights: list[torch.Tensor]) -> float:
+    """Seconds a product, as the median replay of a graph of them, or inf if it fails."""
+    launches = max(PRODUCTS, len(weights))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for weight in weights[:2]:
+            run(weight)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(launches):
+            run(weights[i % len(weights)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000 / launches)
+    del graph
+    return statistics.median(times)
+
+
+def check(x: torch.Tensor, weight: torch.Tensor, want: torch.Tensor, cut: Tiling) -> float:
+    """`few_rows`'s difference from the float32 product."""
+    return _error(few_rows(x, weight, cut), want)
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Max abs difference, in units of bf16's spacing at the product's RMS."""
+    spacing = float(want.pow(2).mean().sqrt()) * 2**-8
+    return float((got.float() - want).abs().max()) / spacing
+
+
+def measure(args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    cuts = [] if args.picked else grid()
+    for shape_name in args.shapes:
+        for name, (n, k) in SHAPES[shape_name].items():
+            weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
+            weights = copies_of(weight)
+            nbytes = weight.numel() * 2
+            for rows in args.rows:
+                x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                want = x.float() @ weight.float().T
+                key = f"{shape_name}.{name}.m{rows}"
+                entry: dict = {"n": n, "k": k, "rows": rows, "mb": round(nbytes / 1e6, 2)}
+                cublas = time_graph(lambda w, x=x: F.linear(x, w), weights)
+                entry["cublas_us"] = round(cublas * 1e6, 2)
+                entry["cublas_tb_s"] = round(nbytes / cublas / 1e12, 2)
+                entry["cublas_err_ulp"] = round(_error(F.linear(x, weight), want), 2)
+                picked = tiling(rows, n, k)
+                results = []
+                for cut in [picked, *[c for c in cuts if c != picked]]:
+                    try:
+                        seconds = time_graph(lambda w, x=x, c=cut: few_rows(x, w, c), weights)
+                        error = check(x, weight, want, cut)
+                    except Exception as exc:  # out of shared memory, and the like
+                        results.append({"cut": cut.__dict__, "failed": str(exc)[:120]})
+                        continue
+                    results.append(
+                        {"cut": cut.__dict__, "us": round(seconds * 1e6, 2),
+                         "tb_s": round(nbytes / seconds / 1e12, 2), "err_ulp": round(error, 2)}
+                    )  # fmt: skip
+                timed = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
+                entry["picked"] = results[0]
+                entry["best"] = timed[:5]
+                entry["bad"] = [r for r in timed if r["err_ulp"] > 8][:3]
+                entry["failed"] = len([r for r in results if "failed" in r])
+                report[key] = entry
+                best = timed[0] if timed else {"us": float("nan"), "cut": {}}
+                print(
+                    f"{key:18} {entry['mb']:8.1f} MB  cuBLAS {entry['cublas_us']:8.2f} us "
+                    f"{entry['cublas_tb_s']:5.2f} TB/s | picked {results[0].get('us')} us "
+                    f"{results[0].get('tb_s')} TB/s | best {best['us']} us "
+                    f"{best.get('tb_s')} TB/s {best['cut']}",
+                    flush=True,
+                )
+            del weights, weight
+            torch.cuda.empty_cache()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
+    parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
+    parser.add_argument("--picked", action="store_true", help="time linear.tiling's choice only")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    report = measure(args)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_linear.json").write_text(json.dumps(report, indent=1))
+    print(f"done in {report['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
