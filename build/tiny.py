@@ -78,7 +78,8 @@ def llama_config(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int
 
 
 def llama_specs(config: dict) -> list[TensorSpec]:
-    """Every tensor of a Llama checkpoint with this config, as bf16."""
+    """Every tensor of a Llama checkpoint with this config, as bf16 (no lm_head where the
+    config ties it to the embeddings)."""
     h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     kv = config["num_key_value_heads"] * (h // config["num_attention_heads"])
     shapes = {
@@ -86,6 +87,8 @@ def llama_specs(config: dict) -> list[TensorSpec]:
         "lm_head.weight": (vocab, h),
         "model.norm.weight": (h,),
     }
+    if config.get("tie_word_embeddings"):
+        del shapes["lm_head.weight"]  # the logits are read through the embeddings
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes |= {

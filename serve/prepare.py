@@ -11,8 +11,10 @@ PYTHONHASHSEED so nothing ordered by a string hash differs between builds.
 
 tune writes the tuning records (serve/tuning.py). compile writes `forward.tar`, the Inductor
 cache folder of the compiled forward (serve/inductor_archive.py) with, on CUDA, the FlashInfer
-modules its attention built (serve/flashinfer_modules.py), and `result.json`: the shapes it
-covers and what compiling it took. A failure prints one line on stderr and exits 1.
+modules its attention built (serve/flashinfer_modules.py) and the Triton kernels of its
+few-row products at every decode batch size the package captures (serve/models/linear.py),
+and `result.json`: the shapes it covers and what compiling it took. A failure prints one line
+on stderr and exits 1.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from flare.serve.engine.attention_choice import make_attention
 from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.runner import ModelRunner
 from flare.serve.inductor_archive import pack
-from flare.serve.models import empty_model
+from flare.serve.models import empty_model, linear
 from flare.serve.tuning import Decisions, tune
 
 ARCHIVE = "forward.tar"
@@ -65,6 +67,8 @@ def compile_forward(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     runner = ModelRunner(model, attention, block, device, forward)
     before = compilations.snapshot()
     warm_up(runner, BlockManager(WARM_UP_BLOCKS, block))
+    if spec["target"] == "cuda":
+        linear.build_kernels(spec["plan"]["decode_batch_sizes"], device)
     made = compilations.snapshot() - before
     if made.compiled != 1 or made.traced != 1:
         raise RuntimeError(f"the forward compiled into {made.describe()}, not one graph")

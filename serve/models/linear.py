@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -31,8 +32,18 @@ except ImportError:  # a CPU build of torch ships without Triton
     triton = None
 
 FEW_ROWS = 64
-"""The most rows `few_rows` takes; the package's captured decode batches are up to its max
-concurrency, and prefills are longer."""
+"""The most rows `few_rows` takes: decode batches (a package's captured sizes go to its max
+concurrency) and short prefills; more rows are cuBLAS's."""
+HALF = (torch.bfloat16, torch.float16)
+"""The dtypes `few_rows` multiplies (float32 would round through TF32 in its tensor cores)."""
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias for x [rows, k]: `flare::linear` on CUDA, else `F.linear`."""
+    if triton is None or not x.is_cuda:
+        return F.linear(x, weight, bias)
+    out = torch.ops.flare.linear(x, weight)
+    return out if bias is None else out + bias
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,39 @@ if triton is not None:
                 tl.store(out_at, summed.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
                 tl.atomic_xchg(counts_ptr + tile, 0)
 
+    @torch.library.custom_op("flare::linear", mutates_args=())
+    def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T: `few_rows` for few half-precision rows, cuBLAS otherwise. Opaque to
+        a compiled forward, which has one graph for every row count; a captured decode graph
+        records the kernel its size chose."""
+        if x.shape[0] > FEW_ROWS or x.dtype not in HALF or x.shape[0] == 0:
+            return F.linear(x, weight)
+        _products.add((weight.shape[0], weight.shape[1], weight.dtype))
+        return few_rows(x.contiguous(), weight)
+
+    @_linear.register_fake
+    def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+_products: set[tuple[int, int, torch.dtype]] = set()
+"""(n, k, dtype) of each weight `flare::linear` gave to `few_rows` in this process."""
+
+
+def build_kernels(rows: list[int], device: torch.device) -> int:
+    """Launch `few_rows` for every product this process ran (a warm-up runs them all) at each
+    row count, so Triton compiles each kernel they need now, into its cache folder (which a
+    package's compile phase packs), not at a server's start. Returns the products run."""
+    launched = 0
+    for n, k, dtype in sorted(_products, key=str):
+        weight = torch.zeros((n, k), dtype=dtype, device=device)
+        for count in rows:
+            if count <= FEW_ROWS:
+                few_rows(torch.zeros((count, k), dtype=dtype, device=device), weight)
+                launched += 1
+        del weight
+    return launched
+
 
 _counts: dict[torch.device, torch.Tensor] = {}
 """Each device's tile counters: zero between launches (the last program of a tile resets its
@@ -125,11 +169,12 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, cut: Tiling | None = None) -
     cut = cut or tiling(rows, n, k)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, cut.block_n)
+    counts = _counters(x.device)
+    parts = out
     if cut.split > 1:
+        if tiles > COUNTERS:
+            raise ValueError(f"a split product of {tiles} column tiles (at most {COUNTERS})")
         parts = torch.empty((cut.split, rows, n), dtype=torch.float32, device=x.device)
-        counts = _counters(x.device, tiles)
-    else:
-        parts = counts = out
     _few_rows_kernel[(tiles, cut.split)](
         x, weight, out, parts, counts, rows, n, k,
         BLOCK_M=block_rows(rows), BLOCK_N=cut.block_n, BLOCK_K=cut.block_k, SPLIT=cut.split,
@@ -138,9 +183,9 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, cut: Tiling | None = None) -
     return out
 
 
-def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    if tiles > COUNTERS:
-        raise ValueError(f"a split product of {tiles} column tiles (at most {COUNTERS})")
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's counters, made at its first product: before any capture, since every
+    captured size is run once first (a buffer made inside a capture would be the graph's)."""
     if device not in _counts:
         _counts[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
     return _counts[device]

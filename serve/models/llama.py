@@ -7,7 +7,8 @@ name, except two fused projections per layer, which a recipe-v2 package lays out
 (recipe v1: q_proj, k_proj, v_proj, gate_proj, up_proj) loads into the same parameters, each
 part into its rows (serve/models/fused.py). Family differences are config switches: Qwen2's
 q/k/v biases, Qwen3's per-head q/k RMSNorm, Llama's `attention_bias`/`mlp_bias`, llama3 RoPE
-scaling, tied embeddings.
+scaling, tied embeddings. Matrix products go through `linear` (serve/models/linear.py): on
+CUDA, a decode step's few rows run flare's own kernel, at the memory's speed.
 
 Tensor parallel (serve/models/shard.py): with a `Shard` of N ranks, each rank holds whole
 query and KV heads (heads / N, KV heads / N: the build refuses KV heads that N does not
@@ -33,6 +34,7 @@ from flare.errors import InvalidInputError
 from flare.serve.engine.attention import AttentionBackend, AttentionSpec
 from flare.serve.models.files import load_by_name
 from flare.serve.models.fused import FusedRows, Parts
+from flare.serve.models.linear import linear
 from flare.serve.models.rms_norm import RMSNorm
 from flare.serve.models.shard import Shard
 
@@ -133,7 +135,7 @@ class RowParallelLinear(nn.Module):
         self.shard = shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.shard.all_reduce(F.linear(x, self.weight))
+        out = self.shard.all_reduce(linear(x, self.weight, None))
         return out if self.bias is None else out + self.bias
 
 
@@ -167,7 +169,8 @@ class Attention(nn.Module):
         q, k and v come out of one pointwise pass (rotary on q and k, v copied) that a
         compiled forward makes one kernel, and the cache stores K and V in one scatter."""
         heads, kv_heads = self.heads, self.kv_heads
-        qkv = self.qkv_proj(x).view(-1, heads + 2 * kv_heads, self.head_dim)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = qkv.view(-1, heads + 2 * kv_heads, self.head_dim)
         q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=1)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
@@ -192,7 +195,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, bias, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
     def fused_rows(self) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -295,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        logits = linear(hidden, weight, None)
         return self.shard.all_gather(logits) if self.shard.split_vocab else logits
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
