@@ -59,8 +59,17 @@ class Tiling:
 
 
 def tiling(rows: int, n: int, k: int) -> Tiling:
-    """The tiling for a [rows, k] x [k, n] product (H200 measurements: docs/performance.md)."""
-    return Tiling(block_n=16, block_k=256, split=1, warps=4, stages=4)
+    """The tiling for a [rows, k] x [k, n] product, from the weight's shape alone (so a row
+    gets the same sums in any batch), after a sweep of 54 tilings on an H200 at 1, 16 and 64
+    rows for the 1B and 8B Llama shapes (tests/bench/gpu_linear.py, docs/performance.md):
+    narrow tiles where the output is narrow, so every multiprocessor has a tile; the K
+    reduction in four parts where K is over 3x the output (down_proj); wide tiles and a
+    shallow pipeline for wide outputs (gate/up, the logits)."""
+    split = 4 if k >= 3 * n else 1
+    block_n = 16 if n <= 2048 and split == 1 else 32 if n <= 4096 or split > 1 else 64
+    block_k = 256 if split == 1 and n <= 4096 and k <= 4096 else 128
+    stages = 3 if n >= 16384 else 5
+    return Tiling(block_n=block_n, block_k=block_k, split=split, warps=4, stages=stages)
 
 
 def block_rows(rows: int) -> int:
@@ -74,11 +83,16 @@ if triton is not None:
     def _few_rows_kernel(
         x_ptr, w_ptr, out_ptr, parts_ptr, counts_ptr, rows, n, k,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+        SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """Program (tile, part): x[:, part's K] @ w[tile's columns, part's K]^T. With SPLIT
         parts, each writes float32 to parts[part] and takes the tile's counter; the last adds
-        parts 0..SPLIT-1 in order, writes the tile and sets the counter back to 0."""
+        parts 0..SPLIT-1 in order, writes the tile and sets the counter back to 0.
+
+        Launched as a programmatic dependent (PDL), a program starts while the kernel before
+        it still runs: it asks for its weights in L2 (nothing writes them), waits for that
+        kernel's results (`gdc_wait`), and lets the kernel after it start once its own loads
+        are done."""
         tile = tl.program_id(0)
         part = tl.program_id(1)
         at_m = tl.arange(0, BLOCK_M)
@@ -90,6 +104,10 @@ if triton is not None:
         last = tl.minimum(first + per_part, steps)
         row_ok = at_m[:, None] < rows
         col_ok = at_n[None, :] < n
+        if PDL:
+            if PREFETCH:
+                _prefetch_rows(w_ptr, at_n, n, k, first * BLOCK_K, tl.minimum(last * BLOCK_K, k))
+            tl.extra.cuda.gdc_wait()
         x_at = x_ptr + at_m[:, None] * k + at_k[None, :]
         w_at = w_ptr + at_n[None, :].to(tl.int64) * k + at_k[:, None]
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -102,6 +120,8 @@ if triton is not None:
                 x = tl.load(x_at + offset, mask=row_ok & (at_k[None, :] + offset < k), other=0.0)
                 w = tl.load(w_at + offset, mask=col_ok & (at_k[:, None] + offset < k), other=0.0)
             total = tl.dot(x, w, total)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         out_at = out_ptr + at_m[:, None] * n + at_n[None, :]
         if SPLIT == 1:
             tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
@@ -119,6 +139,19 @@ if triton is not None:
                     )  # fmt: skip
                 tl.store(out_at, summed.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
                 tl.atomic_xchg(counts_ptr + tile, 0)
+
+    @triton.jit
+    def _prefetch_rows(w_ptr, at_n, n, k, start, stop):
+        """Ask L2 for K's [start, stop) of each of the tile's weight rows: one bulk prefetch
+        a row (Hopper's cp.async.bulk.prefetch; rows past n ask for the last row again).
+        Addresses and sizes are 16-byte multiples: 2-byte elements, k a multiple of 8."""
+        if stop > start:
+            at = w_ptr + tl.minimum(at_n, n - 1).to(tl.int64) * k + start
+            size = tl.zeros_like(at_n) + (stop - start) * 2
+            tl.inline_asm_elementwise(
+                "cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r", [at, size],
+                dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
 
     @torch.library.custom_op("flare::linear", mutates_args=())
     def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -162,8 +195,11 @@ COUNTERS = 1 << 16
 """Tiles a split product may have: 65,536 at 16 columns covers a 1M-wide output."""
 
 
-def few_rows(x: torch.Tensor, weight: torch.Tensor, cut: Tiling | None = None) -> torch.Tensor:
-    """x @ weight.T for x [rows ≤ FEW_ROWS, k] and weight [n, k], both contiguous, one dtype."""
+def few_rows(
+    x: torch.Tensor, weight: torch.Tensor, cut: Tiling | None = None, pdl: bool | None = None
+) -> torch.Tensor:
+    """x @ weight.T for x [rows ≤ FEW_ROWS, k] and weight [n, k], both contiguous, one dtype;
+    launched as a programmatic dependent where the GPU has it (`pdl` None: `dependent_launch`)."""
     rows, k = x.shape
     n = weight.shape[0]
     cut = cut or tiling(rows, n, k)
@@ -175,12 +211,34 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, cut: Tiling | None = None) -
         if tiles > COUNTERS:
             raise ValueError(f"a split product of {tiles} column tiles (at most {COUNTERS})")
         parts = torch.empty((cut.split, rows, n), dtype=torch.float32, device=x.device)
+    pdl = dependent_launch(x.device) if pdl is None else pdl
+    launch = {"launch_pdl": True} if pdl else {}
     _few_rows_kernel[(tiles, cut.split)](
         x, weight, out, parts, counts, rows, n, k,
         BLOCK_M=block_rows(rows), BLOCK_N=cut.block_n, BLOCK_K=cut.block_k, SPLIT=cut.split,
-        EVEN_K=k % cut.block_k == 0, num_warps=cut.warps, num_stages=cut.stages,
+        EVEN_K=k % cut.block_k == 0, PDL=pdl,
+        PREFETCH=pdl and k % 8 == 0 and weight.data_ptr() % 16 == 0,
+        num_warps=cut.warps, num_stages=cut.stages, **launch,
     )  # fmt: skip
     return out
+
+
+_dependent: dict[torch.device, bool] = {}
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` launch as programmatic dependents (PDL): on Hopper and
+    later, with a Triton that has its grid-dependency calls. A dependent starts as the kernel
+    before it ends, which hides most of a kernel's start, a few microseconds each, on the
+    many small kernels of a decode step."""
+    if device not in _dependent:
+        _dependent[device] = (
+            triton is not None
+            and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) >= (9, 0)
+            and hasattr(tl.extra.cuda, "gdc_wait")
+        )
+    return _dependent[device]
 
 
 def _counters(device: torch.device) -> torch.Tensor:

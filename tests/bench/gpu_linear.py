@@ -12,6 +12,14 @@ divided by its products.
 
     python tests/bench/gpu_linear.py --out $OUT            # the grid (a few minutes)
     python tests/bench/gpu_linear.py --picked --out $OUT   # only linear.tiling's choices
+    python tests/bench/gpu_linear.py --chain --out $OUT    # whole layers, see below
+
+`--chain` times a decode step's products in their order, as a model's layers run them, every
+layer with weights of its own: add+norm, q/k/v, (a stand-in for attention), o_proj, add+norm,
+gate/up, silu*mul, down_proj, and the logits, one CUDA graph a step. Three ways: cuBLAS,
+`few_rows` launched plainly, and `few_rows` launched as programmatic dependents (each product
+asks for its weights while the kernel before it runs). It prints each way's step time and
+its ratio to cuBLAS, and checks the ways' logits agree.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ SHAPES = {
 }  # fmt: skip
 """(n, k) of each weight: output features, input features."""
 ROWS = (1, 16, 64)
+LAYERS = {"1b": 16, "8b": 32}
 L2_BYTES = 50 * 2**20
 PRODUCTS = 24
 """Products a timed graph runs (at least; enough copies to pass 4x L2)."""
@@ -146,19 +155,118 @@ def measure(args: argparse.Namespace) -> dict:
     return report
 
 
+def chain_weights(shape: str, device: str) -> dict:
+    """One layer's weights a layer (and the logits'), std 0.02, as gpu_serving's checkpoint."""
+    dims = SHAPES[shape]
+    hidden = dims["o"][0]
+
+    def draw(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+
+    layers = [
+        {name: draw(*dims[name]) for name in ("qkv", "o", "gate_up", "down")}
+        | {"norm": torch.ones(hidden, device=device, dtype=torch.bfloat16)}
+        for _ in range(LAYERS[shape])
+    ]
+    return {"layers": layers, "lm_head": draw(*dims["lm_head"]), "hidden": hidden}
+
+
+def chain_step(weights: dict, x: torch.Tensor, product) -> torch.Tensor:
+    """A decode step's products and norms in order; attention is a copy of q's columns."""
+    from flare.serve.models.rms_norm import add_rms_norm
+
+    hidden, residual = x, torch.zeros_like(x)
+    width = weights["hidden"]
+    for layer in weights["layers"]:
+        normed, residual = add_rms_norm(hidden, residual, layer["norm"], 1e-5)
+        qkv = product(normed, layer["qkv"])
+        attended = qkv[:, :width].contiguous()
+        out = product(attended, layer["o"])
+        normed, residual = add_rms_norm(out, residual, layer["norm"], 1e-5)
+        gate, up = product(normed, layer["gate_up"]).chunk(2, dim=-1)
+        hidden = product(F.silu(gate) * up, layer["down"])
+    normed, _ = add_rms_norm(hidden, residual, weights["layers"][0]["norm"], 1e-5)
+    return product(normed, weights["lm_head"])
+
+
+def time_chain(weights: dict, x: torch.Tensor, product) -> tuple[float, torch.Tensor]:
+    """Seconds a step (the median of REPLAYS replays of its graph) and its logits."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain_step(weights, x, product)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = chain_step(weights, x, product)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS * 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times), logits.clone()
+
+
+def measure_chain(args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    ways = {
+        "cublas": lambda x, w: F.linear(x, w),
+        "few_rows": lambda x, w: few_rows(x, w, pdl=False),
+        "few_rows_pdl": lambda x, w: few_rows(x, w, pdl=True),
+    }
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for shape in args.shapes:
+        weights = chain_weights(shape, "cuda")
+        for rows in args.rows:
+            x = torch.randn(rows, weights["hidden"], device="cuda", dtype=torch.bfloat16)
+            entry: dict = {}
+            reference = None
+            for name, product in ways.items():
+                try:
+                    seconds, logits = time_chain(weights, x, product)
+                except Exception as exc:
+                    entry[name] = {"failed": f"{type(exc).__name__}: {exc}"[:200]}
+                    continue
+                reference = logits if reference is None else reference
+                spread = float(reference.float().std())
+                entry[name] = {
+                    "step_us": round(seconds * 1e6, 1),
+                    "max_diff_in_std": round(
+                        float((logits.float() - reference.float()).abs().max()) / spread, 4
+                    ),
+                }
+            base = entry.get("cublas", {}).get("step_us")
+            for figures in entry.values():
+                if base and "step_us" in figures:
+                    figures["of_cublas"] = round(figures["step_us"] / base, 3)
+            report[f"{shape}.chain.m{rows}"] = entry
+            print(f"{shape}.chain.m{rows}: {entry}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
     parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     parser.add_argument("--picked", action="store_true", help="time linear.tiling's choice only")
+    parser.add_argument("--chain", action="store_true", help="time whole layers' products")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     started = time.perf_counter()
-    report = measure(args)
+    report = measure_chain(args) if args.chain else measure(args)
     report["seconds"] = round(time.perf_counter() - started, 1)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_linear.json").write_text(json.dumps(report, indent=1))
+        name = "gpu_linear_chain.json" if args.chain else "gpu_linear.json"
+        (args.out / name).write_text(json.dumps(report, indent=1))
     print(f"done in {report['seconds']} s")
 
 
