@@ -16,6 +16,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from flare.serve.engine.cache_store import store_rows
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -57,9 +59,9 @@ class AttentionMetadata:
 class PagedKVCache:
     """Every layer's keys and values in one tensor, [layers, slots, 2, kv_heads, head_dim],
     slot = block * block_size + offset: a step's new keys and values are stored by one
-    scatter a layer (the model hands them over side by side), and each layer's K and V are
-    strided views, [slots, kv_heads, head_dim], the layout both backends read (FlashInfer's
-    "NHD" pages as a view; its kernels take the strides)."""
+    scatter a layer (the model hands them over side by side; cache_store.py), and each
+    layer's K and V are strided views, [slots, kv_heads, head_dim], the layout both backends
+    read (FlashInfer's "NHD" pages as a view; its kernels take the strides)."""
 
     def __init__(
         self, spec: AttentionSpec, num_slots: int, dtype: torch.dtype, device: torch.device
@@ -82,7 +84,7 @@ class PagedKVCache:
         """Write a step's new keys and values ([tokens, 2, kv_heads, dim]) into their slots;
         the layer's whole K and V."""
         cache = self.kv[layer]
-        cache[slots] = kv
+        store_rows(cache, slots, kv)
         return cache[:, 0], cache[:, 1]
 
 

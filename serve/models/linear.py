@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flare.serve.engine.dependent_launch import dependent_launch
+
 try:
     import triton
     import triton.language as tl
@@ -221,24 +223,6 @@ def few_rows(
         num_warps=cut.warps, num_stages=cut.stages, **launch,
     )  # fmt: skip
     return out
-
-
-_dependent: dict[torch.device, bool] = {}
-
-
-def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` launch as programmatic dependents (PDL): on Hopper and
-    later, with a Triton that has its grid-dependency calls. A dependent starts as the kernel
-    before it ends, which hides most of a kernel's start, a few microseconds each, on the
-    many small kernels of a decode step."""
-    if device not in _dependent:
-        _dependent[device] = (
-            triton is not None
-            and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) >= (9, 0)
-            and hasattr(tl.extra.cuda, "gdc_wait")
-        )
-    return _dependent[device]
 
 
 def _counters(device: torch.device) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flare.serve.models.linear import dependent_launch
+from flare.serve.engine.dependent_launch import dependent_launch
 
 try:
     import triton
