@@ -36,6 +36,12 @@ except ImportError:  # a CPU build of torch ships without Triton
 FEW_ROWS = 64
 """The most rows `few_rows` takes: decode batches (a package's captured sizes go to its max
 concurrency) and short prefills; more rows are cuBLAS's."""
+SHARED_BYTES = 200 * 1024
+"""Shared memory a program's pipeline may take (an H100's or H200's 227 KB, less Triton's own)."""
+PREFETCH_STEPS = 2
+"""K steps of its weights a dependent launch asks into L2 before it waits: the pipeline's
+first loads. More would ask for a whole product's weights at once, more than L2 holds for
+gate/up or the logits, and read them twice."""
 HALF = (torch.bfloat16, torch.float16)
 """The dtypes `few_rows` multiplies (float32 would round through TF32 in its tensor cores)."""
 
@@ -74,6 +80,13 @@ def tiling(rows: int, n: int, k: int) -> Tiling:
     return Tiling(block_n=block_n, block_k=block_k, split=split, warps=4, stages=stages)
 
 
+def stages_within(cut: Tiling, rows: int) -> int:
+    """The tiling's pipeline depth, or less where its stages would not fit in shared memory
+    with this many rows (the depth changes no sum, only how far ahead loads are issued)."""
+    per_stage = (block_rows(rows) + cut.block_n) * cut.block_k * 2
+    return max(2, min(cut.stages, SHARED_BYTES // per_stage))
+
+
 def block_rows(rows: int) -> int:
     """Rows a program holds: Triton's tensor-core product takes 16 at least."""
     return max(16, triton.next_power_of_2(rows))
@@ -86,13 +99,14 @@ if triton is not None:
         x_ptr, w_ptr, out_ptr, parts_ptr, counts_ptr, rows, n, k,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        PREFETCH_STEPS: tl.constexpr,
     ):  # fmt: skip
         """Program (tile, part): x[:, part's K] @ w[tile's columns, part's K]^T. With SPLIT
         parts, each writes float32 to parts[part] and takes the tile's counter; the last adds
         parts 0..SPLIT-1 in order, writes the tile and sets the counter back to 0.
 
         Launched as a programmatic dependent (PDL), a program starts while the kernel before
-        it still runs: it asks for its weights in L2 (nothing writes them), waits for that
+        it still runs: it asks for its first weights in L2 (nothing writes them), waits for that
         kernel's results (`gdc_wait`), and lets the kernel after it start once its own loads
         are done."""
         tile = tl.program_id(0)
@@ -108,7 +122,8 @@ if triton is not None:
         col_ok = at_n[None, :] < n
         if PDL:
             if PREFETCH:
-                _prefetch_rows(w_ptr, at_n, n, k, first * BLOCK_K, tl.minimum(last * BLOCK_K, k))
+                ahead = tl.minimum(first + PREFETCH_STEPS, last)
+                _prefetch_rows(w_ptr, at_n, n, k, first * BLOCK_K, tl.minimum(ahead * BLOCK_K, k))
             tl.extra.cuda.gdc_wait()
         x_at = x_ptr + at_m[:, None] * k + at_k[None, :]
         w_at = w_ptr + at_n[None, :].to(tl.int64) * k + at_k[:, None]
@@ -220,7 +235,8 @@ def few_rows(
         BLOCK_M=block_rows(rows), BLOCK_N=cut.block_n, BLOCK_K=cut.block_k, SPLIT=cut.split,
         EVEN_K=k % cut.block_k == 0, PDL=pdl,
         PREFETCH=pdl and k % 8 == 0 and weight.data_ptr() % 16 == 0,
-        num_warps=cut.warps, num_stages=cut.stages, **launch,
+        PREFETCH_STEPS=PREFETCH_STEPS,
+        num_warps=cut.warps, num_stages=stages_within(cut, rows), **launch,
     )  # fmt: skip
     return out
 
