@@ -18,8 +18,8 @@ divided by its products.
 layer with weights of its own: add+norm, q/k/v, (a stand-in for attention), o_proj, add+norm,
 gate/up, silu*mul, down_proj, and the logits, one CUDA graph a step. The ways: cuBLAS,
 `few_rows` launched plainly, and `few_rows` launched as programmatic dependents (each product
-asks for its first weights while the kernel before it runs: 0, 2 or 8 K steps of them). It prints each way's step time and
-its ratio to cuBLAS, and checks the ways' logits agree.
+asks for its first weights while the kernel before it runs: 0, 2 or 8 K steps of them). It
+prints each way's step time and its ratio to cuBLAS, and checks the ways' logits agree.
 """
 
 from __future__ import annotations
