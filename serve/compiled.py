@@ -52,9 +52,7 @@ def settings() -> None:
     with them, 0.9-1.2x without: docs/performance.md), and no thread count is compiled in;
     ISA detection from the CPU's flags (not by building a probe per ISA, 17 s here); a fixed
     -march per ISA level; no precompiled headers (with them, loading a kernel runs the
-    preprocessor to key the header); on Hopper GPUs, Triton kernels that launch as
-    programmatic dependents (each starts as the one before it ends, as flare's own kernels
-    do: serve/models/linear.py); and the compiler hook below."""
+    preprocessor to key the header); and the compiler hook below."""
     global _installed
     if _installed:
         return
@@ -66,8 +64,6 @@ def settings() -> None:
         inductor.cpp.march = MARCH.get(torch.backends.cpu.get_cpu_capability())
     if hasattr(inductor, "cpp_cache_precompile_headers"):
         inductor.cpp_cache_precompile_headers = False
-    if hasattr(inductor.triton, "enable_pdl"):  # torch 2.10 and later
-        inductor.triton.enable_pdl = True
     _hook_compiler()
     compilations.watch()
     _installed = True

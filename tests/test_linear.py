@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flare.serve.models.linear import FEW_ROWS, Tiling, few_rows, linear, tiling
+from flare.serve.models.linear import FEW_ROWS, MOST_ROWS, Tiling, few_rows, linear, tiling
 
 TRITON = importlib.util.find_spec("triton") is not None
 CUDA = torch.cuda.is_available() and TRITON
@@ -53,12 +53,12 @@ def _within_one_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
 @pytest.mark.parametrize("cut", CUTS, ids=lambda c: "picked" if c is None else f"s{c.split}")
 @pytest.mark.parametrize(
     ("rows", "n", "k"),
-    [(1, 2048, 2048), (3, 48, 384), (16, 3072, 2048), (17, 40, 1000), (FEW_ROWS, 96, 4096)],
+    [(1, 2048, 2048), (3, 48, 384), (16, 3072, 2048), (17, 40, 1000), (MOST_ROWS, 96, 4096)],
 )
 def test_few_rows_is_the_float32_product_rounded_once(
     rows: int, n: int, k: int, cut: Tiling | None
 ) -> None:
-    """Any row count up to FEW_ROWS, output widths that are not a whole number of tiles, a K
+    """Any row count up to MOST_ROWS, output widths that are not a whole number of tiles, a K
     that is not a whole number of steps, split into parts or not."""
     x, weight = _operands(rows, n, k, seed=rows + n + k)
     _within_one_rounding(few_rows(x, weight, cut), x, weight)
@@ -69,10 +69,10 @@ def test_few_rows_is_the_float32_product_rounded_once(
 def test_a_row_gets_the_same_bits_in_a_batch_of_any_size(n: int, k: int) -> None:
     """What batch-invariant decoding needs of a product: a sequence's row, multiplied with 63
     others, 15 others or alone, comes out bit for bit the same."""
-    x, weight = _operands(FEW_ROWS, n, k, seed=7)
+    x, weight = _operands(MOST_ROWS, n, k, seed=7)
     batched = few_rows(x, weight)
     assert torch.equal(few_rows(x[:16].contiguous(), weight), batched[:16])
-    for row in (0, 5, FEW_ROWS - 1):
+    for row in (0, 5, MOST_ROWS - 1):
         assert torch.equal(few_rows(x[row : row + 1].contiguous(), weight)[0], batched[row])
 
 

@@ -25,23 +25,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flare.serve.engine.dependent_launch import dependent_launch
-
 try:
     import triton
     import triton.language as tl
 except ImportError:  # a CPU build of torch ships without Triton
     triton = None
 
-FEW_ROWS = 64
-"""The most rows `few_rows` takes: decode batches (a package's captured sizes go to its max
-concurrency) and short prefills; more rows are cuBLAS's."""
+FEW_ROWS = 16
+"""The most rows `flare::linear` gives `few_rows`: decode batches up to 16 and the shortest
+prefills. A whole step's products took 0.97x cuBLAS's time at 1 and 16 rows, 1.04-1.09x at 64
+(tests/bench/gpu_linear.py --chain, docs/performance.md); more rows are cuBLAS's."""
+MOST_ROWS = 64
+"""The most rows `few_rows` itself takes (a program holds them all)."""
 SHARED_BYTES = 200 * 1024
 """Shared memory a program's pipeline may take (an H100's or H200's 227 KB, less Triton's own)."""
-PREFETCH_STEPS = 2
-"""K steps of its weights a dependent launch asks into L2 before it waits: the pipeline's
-first loads. More would ask for a whole product's weights at once, more than L2 holds for
-gate/up or the logits, and read them twice."""
 HALF = (torch.bfloat16, torch.float16)
 """The dtypes `few_rows` multiplies (float32 would round through TF32 in its tensor cores)."""
 
@@ -98,17 +95,11 @@ if triton is not None:
     def _few_rows_kernel(
         x_ptr, w_ptr, out_ptr, parts_ptr, counts_ptr, rows, n, k,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-        PREFETCH_STEPS: tl.constexpr,
+        SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     ):  # fmt: skip
         """Program (tile, part): x[:, part's K] @ w[tile's columns, part's K]^T. With SPLIT
         parts, each writes float32 to parts[part] and takes the tile's counter; the last adds
-        parts 0..SPLIT-1 in order, writes the tile and sets the counter back to 0.
-
-        Launched as a programmatic dependent (PDL), a program starts while the kernel before
-        it still runs: it asks for its first weights in L2 (nothing writes them), waits for that
-        kernel's results (`gdc_wait`), and lets the kernel after it start once its own loads
-        are done."""
+        parts 0..SPLIT-1 in order, writes the tile and sets the counter back to 0."""
         tile = tl.program_id(0)
         part = tl.program_id(1)
         at_m = tl.arange(0, BLOCK_M)
@@ -120,11 +111,6 @@ if triton is not None:
         last = tl.minimum(first + per_part, steps)
         row_ok = at_m[:, None] < rows
         col_ok = at_n[None, :] < n
-        if PDL:
-            if PREFETCH:
-                ahead = tl.minimum(first + PREFETCH_STEPS, last)
-                _prefetch_rows(w_ptr, at_n, n, k, first * BLOCK_K, tl.minimum(ahead * BLOCK_K, k))
-            tl.extra.cuda.gdc_wait()
         x_at = x_ptr + at_m[:, None] * k + at_k[None, :]
         w_at = w_ptr + at_n[None, :].to(tl.int64) * k + at_k[:, None]
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -137,8 +123,6 @@ if triton is not None:
                 x = tl.load(x_at + offset, mask=row_ok & (at_k[None, :] + offset < k), other=0.0)
                 w = tl.load(w_at + offset, mask=col_ok & (at_k[:, None] + offset < k), other=0.0)
             total = tl.dot(x, w, total)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
         out_at = out_ptr + at_m[:, None] * n + at_n[None, :]
         if SPLIT == 1:
             tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
@@ -156,19 +140,6 @@ if triton is not None:
                     )  # fmt: skip
                 tl.store(out_at, summed.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
                 tl.atomic_xchg(counts_ptr + tile, 0)
-
-    @triton.jit
-    def _prefetch_rows(w_ptr, at_n, n, k, start, stop):
-        """Ask L2 for K's [start, stop) of each of the tile's weight rows: one bulk prefetch
-        a row (Hopper's cp.async.bulk.prefetch; rows past n ask for the last row again).
-        Addresses and sizes are 16-byte multiples: 2-byte elements, k a multiple of 8."""
-        if stop > start:
-            at = w_ptr + tl.minimum(at_n, n - 1).to(tl.int64) * k + start
-            size = tl.zeros_like(at_n) + (stop - start) * 2
-            tl.inline_asm_elementwise(
-                "cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r", [at, size],
-                dtype=tl.int32, is_pure=False, pack=1,
-            )  # fmt: skip
 
     @torch.library.custom_op("flare::linear", mutates_args=())
     def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -212,11 +183,8 @@ COUNTERS = 1 << 16
 """Tiles a split product may have: 65,536 at 16 columns covers a 1M-wide output."""
 
 
-def few_rows(
-    x: torch.Tensor, weight: torch.Tensor, cut: Tiling | None = None, pdl: bool | None = None
-) -> torch.Tensor:
-    """x @ weight.T for x [rows ≤ FEW_ROWS, k] and weight [n, k], both contiguous, one dtype;
-    launched as a programmatic dependent where the GPU has it (`pdl` None: `dependent_launch`)."""
+def few_rows(x: torch.Tensor, weight: torch.Tensor, cut: Tiling | None = None) -> torch.Tensor:
+    """x @ weight.T for x [rows ≤ MOST_ROWS, k] and weight [n, k], both contiguous, one dtype."""
     rows, k = x.shape
     n = weight.shape[0]
     cut = cut or tiling(rows, n, k)
@@ -228,15 +196,10 @@ def few_rows(
         if tiles > COUNTERS:
             raise ValueError(f"a split product of {tiles} column tiles (at most {COUNTERS})")
         parts = torch.empty((cut.split, rows, n), dtype=torch.float32, device=x.device)
-    pdl = dependent_launch(x.device) if pdl is None else pdl
-    launch = {"launch_pdl": True} if pdl else {}
     _few_rows_kernel[(tiles, cut.split)](
         x, weight, out, parts, counts, rows, n, k,
         BLOCK_M=block_rows(rows), BLOCK_N=cut.block_n, BLOCK_K=cut.block_k, SPLIT=cut.split,
-        EVEN_K=k % cut.block_k == 0, PDL=pdl,
-        PREFETCH=pdl and k % 8 == 0 and weight.data_ptr() % 16 == 0,
-        PREFETCH_STEPS=PREFETCH_STEPS,
-        num_warps=cut.warps, num_stages=stages_within(cut, rows), **launch,
+        EVEN_K=k % cut.block_k == 0, num_warps=cut.warps, num_stages=stages_within(cut, rows),
     )  # fmt: skip
     return out
 

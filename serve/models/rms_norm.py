@@ -18,8 +18,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flare.serve.engine.dependent_launch import dependent_launch
-
 try:
     import triton
     import triton.language as tl
@@ -57,16 +55,10 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(
-        x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr, cols, eps,
-        BLOCK: tl.constexpr, PDL: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr, cols, eps, BLOCK: tl.constexpr
+    ):
         """One program per row (rows `cols` apart): the row's sum, its sum of squares, its
-        scaled norm. On CUDA only: tests/test_rms_norm.py checks it there. With PDL, it
-        waits for the kernel before it (if that one launched it early) and at once lets the
-        next start: the product after a norm asks for its weights while the norm runs."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        scaled norm. On CUDA only: tests/test_rms_norm.py checks it there."""
         at = tl.program_id(0).to(tl.int64) * cols + tl.arange(0, BLOCK)
         mask = tl.arange(0, BLOCK) < cols
         x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
@@ -91,6 +83,6 @@ if triton is not None:
         warps = min(max(block // 512, 4), 16)
         wrap_triton(_add_rms_norm_kernel)[(rows,)](
             x.contiguous(), residual.contiguous(), weight, out, summed, cols, eps,
-            BLOCK=block, PDL=dependent_launch(x.device), num_warps=warps,
+            BLOCK=block, num_warps=warps,
         )  # fmt: skip
         return out, summed

@@ -16,10 +16,9 @@ divided by its products.
 
 `--chain` times a decode step's products in their order, as a model's layers run them, every
 layer with weights of its own: add+norm, q/k/v, (a stand-in for attention), o_proj, add+norm,
-gate/up, silu*mul, down_proj, and the logits, one CUDA graph a step. The ways: cuBLAS,
-`few_rows` launched plainly, and `few_rows` launched as programmatic dependents (each product
-asks for its first weights while the kernel before it runs: 0, 2 or 8 K steps of them). It
-prints each way's step time and its ratio to cuBLAS, and checks the ways' logits agree.
+gate/up, silu*mul, down_proj, and the logits, one CUDA graph a step. Two ways: cuBLAS and
+`few_rows`. It prints each way's step time, its ratio to cuBLAS, and how far the ways' logits
+are apart.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import flare.serve.models.linear as linear_module
-from flare.serve.models.linear import PREFETCH_STEPS, Tiling, few_rows, tiling
+from flare.serve.models.linear import Tiling, few_rows, tiling
 
 SHAPES = {
     "1b": {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
@@ -214,25 +212,11 @@ def time_chain(weights: dict, x: torch.Tensor, product) -> tuple[float, torch.Te
     return statistics.median(times), logits.clone()
 
 
-def prefetching(steps: int):
-    """`few_rows` as a dependent launch asking for `steps` K steps of weights before it waits."""
-
-    def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        linear_module.PREFETCH_STEPS = steps
-        try:
-            return few_rows(x, weight, pdl=True)
-        finally:
-            linear_module.PREFETCH_STEPS = PREFETCH_STEPS
-
-    return product
-
-
 def measure_chain(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     ways = {
         "cublas": lambda x, w: F.linear(x, w),
-        "few_rows": lambda x, w: few_rows(x, w, pdl=False),
-        **{f"few_rows_pdl_prefetch{steps}": prefetching(steps) for steps in (0, 2, 8)},
+        "few_rows": lambda x, w: few_rows(x, w),
     }
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for shape in args.shapes:
