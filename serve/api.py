@@ -397,6 +397,9 @@ class _Reply:
         self.text: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
         self.finish_reason: str | None = None
+        chunk = "chat.completion.chunk" if self.chat else "text_completion"
+        self._head = f"data: {_json(self._envelope(chunk, []))[:-2]}"
+        """A chunk event up to its choices (`...,"choices":[`): the same for every token."""
 
     @property
     def chat(self) -> bool:
@@ -445,8 +448,10 @@ class _Reply:
             try:
                 async for delta in handle.stream():
                     self.completion_tokens += len(delta.token_ids)
-                    if delta.text or delta.finish_reason or delta.logprobs:  # not half a char
+                    if delta.logprobs is not None:
                         yield self._event([self._chunk_choice(delta)])
+                    elif delta.text or delta.finish_reason:  # not half a character
+                        yield self._text_event(delta)
             except Exception as exc:
                 yield _stream_failed(exc, self.id).event()
             else:
@@ -455,6 +460,18 @@ class _Reply:
             yield "data: [DONE]\n\n"
         finally:
             handle.cancel()
+
+    def _text_event(self, delta: Delta) -> str:
+        """`_event([_chunk_choice(delta)])`, byte for byte, for a delta without logprobs (a
+        streamed token's usual event) from the stream's fixed head: a token's event is the
+        event loop's work a token a stream, and at 64 streams that loop bounds the server."""
+        reason = "null" if delta.finish_reason is None else _json(delta.finish_reason)
+        text = _json(delta.text)
+        if self.chat:
+            body = f'"delta":{{"content":{text}}}' if delta.text else '"delta":{}'
+        else:
+            body = f'"text":{text}'
+        return f'{self._head}{{"index":0,"finish_reason":{reason},{body},"logprobs":null}}]}}\n\n'
 
     def _chunk_choice(self, delta: Delta) -> dict[str, Any]:
         entries = self._logprob_entries(delta)
