@@ -29,6 +29,7 @@ import shutil
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,12 @@ benchmarked again in every config at its first launch."""
 GRAPHS = "fxgraph"
 AUTOGRAD = "aotautograd"
 TRITON = "triton"
+GROUP = "__grp__"
+"""Triton's group files (`__grp__<kernel>.json`) list the files of one compiled kernel by
+absolute path, and Triton takes the kernel from its cache only if each exists. Packed, the
+paths are made relative to the cache folder (else every kernel Triton compiled at build is
+missed at a server's start and built again, and the archive's bytes name the build's folder);
+unpacked, they are made absolute under the folder they are unpacked to."""
 
 
 def pack(cache: Path, archive: Path) -> list[str]:
@@ -68,7 +75,7 @@ def unpack(archive: bytes, folder: Path) -> bool:
     folder.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
-        _extract(archive, scratch)
+        _extract(archive, scratch, folder)
         try:
             os.rename(scratch, folder)
         except OSError:
@@ -79,10 +86,11 @@ def unpack(archive: bytes, folder: Path) -> bool:
     return False
 
 
-def _extract(archive: bytes, folder: Path) -> None:
-    """Write the archive's regular files under `folder`; anything else (a link, a device, a
-    path leaving the folder) is refused. By hand, not `extractall(filter="data")`: Python
-    3.11 before 3.11.4 (Debian 12's) has no extraction filters."""
+def _extract(archive: bytes, folder: Path, final: Path) -> None:
+    """Write the archive's regular files under `folder` (to be renamed `final`, where Triton's
+    group files will point); anything else (a link, a device, a path leaving the folder) is
+    refused. By hand, not `extractall(filter="data")`: Python 3.11 before 3.11.4 (Debian
+    12's) has no extraction filters."""
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         for member in tar.getmembers():
             target = (folder / member.name).resolve()
@@ -92,9 +100,23 @@ def _extract(archive: bytes, folder: Path) -> None:
                     f"compiled archive member {member.name!r} is not a plain file in the archive",
                     "the package is malformed: ask its publisher to rebuild it",
                 )
+            data = source.read()
+            if member.name.startswith(f"{TRITON}/") and target.name.startswith(GROUP):
+                data = _group(data, partial(_placed, final, name=member.name))
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(source.read())
+            target.write_bytes(data)
             target.chmod(0o755 if member.mode & 0o100 else 0o644)
+
+
+def _placed(folder: Path, child: str, name: str) -> str:
+    """`child`, a path relative to the unpacked folder, made absolute in it."""
+    path = (folder / child).resolve()
+    if Path(child).is_absolute() or not path.is_relative_to(folder.resolve()):
+        raise IntegrityError(
+            f"compiled archive member {name!r} names {child!r}, outside the archive",
+            "the package is malformed: ask its publisher to rebuild it",
+        )
+    return str(path)
 
 
 def _members(cache: Path) -> Iterator[tuple[str, bytes]]:
@@ -107,10 +129,36 @@ def _members(cache: Path) -> Iterator[tuple[str, bytes]]:
             yield _normalized(name, path.read_bytes(), _graph_entry)
         elif top == AUTOGRAD:
             yield _normalized(name, path.read_bytes(), _autograd_entry)
+        elif top == TRITON and path.name.startswith(GROUP):
+            yield name, _group(path.read_bytes(), partial(_inside, cache, name=name))
         elif top == TRITON or (name.endswith(KERNEL_SUFFIXES) and "/" in name):
             yield name, path.read_bytes()
         elif name.endswith(AUTOTUNED):
             yield name, _autotuned(path.read_bytes())
+
+
+def _group(data: bytes, place: Callable[[str], str]) -> bytes:
+    """A Triton group file with each child's path mapped by `place`."""
+    try:
+        children = json.loads(data)["child_paths"]
+        mapped = {name: place(path) for name, path in children.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise IntegrityError(
+            f"Triton cache group file is not what flare expects ({exc})",
+            "the package is malformed: ask its publisher to rebuild it",
+        ) from exc
+    return json.dumps({"child_paths": mapped}, sort_keys=True).encode()
+
+
+def _inside(cache: Path, child: str, name: str) -> str:
+    """`child`, an absolute path in the cache folder, relative to it."""
+    try:
+        return Path(child).resolve().relative_to(cache.resolve()).as_posix()
+    except ValueError as exc:
+        raise IntegrityError(
+            f"Triton's {name} names {child}, outside the cache folder {cache}",
+            "compile with Triton's cache in the folder that is packed (use_cache_folder)",
+        ) from exc
 
 
 def _autotuned(data: bytes) -> bytes:

@@ -352,6 +352,60 @@ def test_a_member_name_longer_than_a_tar_header_holds_packs_and_unpacks(tmp_path
     assert (tmp_path / "out" / name).read_bytes() == b"cubin"
 
 
+def _triton_kernel(cache: Path) -> str:
+    """A kernel as Triton caches it: its files, and its group file naming them by absolute
+    path. Returns the group file's name in the cache."""
+    entry = cache / "triton" / "0" / "KEY"
+    entry.mkdir(parents=True)
+    children = {}
+    for file, data in (("_few_rows_kernel.cubin", b"cubin"), ("_few_rows_kernel.json", b"{}")):
+        (entry / file).write_bytes(data)
+        children[file] = str(entry / file)
+    (entry / "__grp___few_rows_kernel.json").write_text(json.dumps({"child_paths": children}))
+    return "triton/0/KEY/__grp___few_rows_kernel.json"
+
+
+def test_triton_kernels_are_found_where_the_archive_is_unpacked(tmp_path: Path) -> None:
+    """Triton takes a kernel from its cache only if every file its group file names exists:
+    packed from the build's folder, the group names its files relative to the cache (the
+    archive's bytes do not depend on where it was built); unpacked, it names them in the
+    folder unpacked to. Before, a server built again every kernel Triton had compiled."""
+    group = _triton_kernel(tmp_path / "build" / "one")
+    _triton_kernel(tmp_path / "elsewhere")
+    pack(tmp_path / "build" / "one", tmp_path / "a.tar")
+    pack(tmp_path / "elsewhere", tmp_path / "b.tar")
+    assert (tmp_path / "a.tar").read_bytes() == (tmp_path / "b.tar").read_bytes()
+    assert str(tmp_path).encode() not in (tmp_path / "a.tar").read_bytes()
+    unpack((tmp_path / "a.tar").read_bytes(), tmp_path / "serve" / "compiled")
+    children = json.loads((tmp_path / "serve" / "compiled" / group).read_text())["child_paths"]
+    assert sorted(children) == ["_few_rows_kernel.cubin", "_few_rows_kernel.json"]
+    for path in children.values():
+        assert Path(path).is_absolute() and Path(path).exists()
+        assert Path(path).is_relative_to(tmp_path / "serve" / "compiled")
+
+
+@pytest.mark.parametrize("child", ["/etc/passwd", "../../../outside.cubin"])
+def test_a_triton_group_naming_a_file_outside_the_archive_is_refused(
+    tmp_path: Path, child: str
+) -> None:
+    buffer = io.BytesIO()
+    data = json.dumps({"child_paths": {"k.cubin": child}}).encode()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo("triton/0/KEY/__grp__k.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(IntegrityError, match="outside the archive"):
+        unpack(buffer.getvalue(), tmp_path / "out" / "compiled")
+    assert not (tmp_path / "out" / "compiled").exists()
+
+
+def test_packing_refuses_a_triton_group_naming_files_outside_the_cache(tmp_path: Path) -> None:
+    group = tmp_path / "cache" / _triton_kernel(tmp_path / "cache")
+    group.write_text(json.dumps({"child_paths": {"k.cubin": str(tmp_path / "k.cubin")}}))
+    with pytest.raises(IntegrityError, match="outside the cache folder"):
+        pack(tmp_path / "cache", tmp_path / "a.tar")
+
+
 @pytest.mark.parametrize("kind", ["symlink", "escape"])
 def test_an_archive_member_that_is_no_plain_file_inside_is_refused(
     tmp_path: Path, kind: str
