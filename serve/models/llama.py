@@ -8,7 +8,7 @@ name, except two fused projections per layer, which a recipe-v2 package lays out
 part into its rows (serve/models/fused.py). Family differences are config switches: Qwen2's
 q/k/v biases, Qwen3's per-head q/k RMSNorm, Llama's `attention_bias`/`mlp_bias`, llama3 RoPE
 scaling, tied embeddings. Matrix products go through `linear` (serve/models/linear.py): on
-CUDA, a decode step's few rows run flare's own kernel, at the memory's speed.
+CUDA, a decode step's products of few rows run flare's own kernel.
 
 Tensor parallel (serve/models/shard.py): with a `Shard` of N ranks, each rank holds whole
 query and KV heads (heads / N, KV heads / N: the build refuses KV heads that N does not
