@@ -63,15 +63,23 @@ class Scheduler:
         scheduled: list[Sequence] = []
         while self.running:
             seq = self.running.popleft()
-            while not self.blocks.can_append(seq) and self.running:
-                self._preempt(self.running.pop())
-            if not self.blocks.can_append(seq):
+            if not self._room_for(seq):
                 self._preempt(seq)
                 break
             self.blocks.append_slot(seq)
             scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
         return scheduled
+
+    def _room_for(self, seq: Sequence) -> bool:
+        """Whether the sequence's newest token has a slot, the newest running sequences
+        preempted until it has or none is left (one check a sequence when there is room,
+        as nearly always: this runs for every sequence of every decode step)."""
+        while not self.blocks.can_append(seq):
+            if not self.running:
+                return False
+            self._preempt(self.running.pop())
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and queue it first, to recompute its tokens later."""
