@@ -101,7 +101,7 @@ def use_cache_folder(folder: Path) -> None:
 
 
 class CompiledForward:
-    """A model's step compiled: (input ids, positions, last rows) → float32 logits."""
+    """A model's step compiled: (input ids, positions, last rows) → logits."""
 
     def __init__(self, model: Any) -> None:
         settings()
@@ -127,7 +127,7 @@ class CompiledForward:
         self, input_ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor
     ) -> torch.Tensor:
         hidden = self.model.forward(input_ids, positions, self._operator)
-        return self.model.compute_logits(hidden[last]).float()
+        return self.model.compute_logits(hidden[last])
 
 
 def warm_up(runner: ModelRunner, blocks: BlockManager) -> None:

@@ -465,3 +465,27 @@ def test_the_maxima_a_step_computed_give_what_its_logits_give() -> None:
     assert [drawn[row] for row in (0, 1, 3)] == [expected[row] for row in (0, 1, 3)]
     assert maxima.indices.tolist()[:2] == [picked(drawn[0])[0], picked(drawn[1])[0]]
     assert 0 <= picked(drawn[2])[0] < 256
+
+
+def test_bf16_logits_sample_as_their_float32_values_do() -> None:
+    """A GPU step hands the sampler its logits in the model's dtype (no float32 copy of 64
+    rows a step): greedy, seeded, unseeded and logprobs rows get from bf16 logits what they
+    get from the same values widened to float32, and a row's maximum is that dtype's."""
+    logits = torch.stack([logits_row(seed, vocab=256) for seed in range(5)]).bfloat16()
+    asks = [
+        {"temperature": 0},
+        {"temperature": 0.9, "seed": 11},
+        {"temperature": 0.7, "top_k": 20, "top_p": 0.9},
+        {"temperature": 0, "logprobs": 3},
+        {"temperature": 1.3, "seed": 5, "logprobs": 2},
+    ]
+
+    def sample(rows: torch.Tensor) -> list[Picked | Exception]:
+        torch.manual_seed(0)  # the unseeded row's draw
+        seqs = [Sequence([1], SamplingParams(**ask), max_tokens=4) for ask in asks]  # type: ignore[arg-type]
+        return Sampler().sample(rows, seqs)
+
+    assert str(sample(logits)) == str(sample(logits.float()))
+    values, indices = row_max(logits)
+    assert values.dtype == torch.bfloat16
+    assert torch.equal(indices, logits.float().argmax(dim=-1))

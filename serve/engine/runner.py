@@ -30,8 +30,9 @@ class CausalLM(Protocol):
 
 class Forward(Protocol):
     """A step's forward: flat token ids and positions, the rows whose logits are wanted, the
-    planned attention backend → float32 logits [rows, vocab]. Eager (`EagerForward`) or
-    compiled (serve/compiled.py)."""
+    planned attention backend → logits [rows, vocab] in the model's dtype (the sampler widens
+    what it samples from; a greedy row needs only its maximum, found in that dtype). Eager
+    (`EagerForward`) or compiled (serve/compiled.py)."""
 
     def __call__(
         self,
@@ -56,7 +57,7 @@ class EagerForward:
         attention: AttentionBackend,
     ) -> torch.Tensor:
         hidden = self.model.forward(input_ids, positions, attention)
-        return self.model.compute_logits(hidden[last]).float()
+        return self.model.compute_logits(hidden[last])
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class FreshRows:
 
 @dataclass(frozen=True)
 class StepLogits:
-    """A step's float32 logits [rows, vocab] at each sequence's last position, and, where
+    """A step's logits [rows, vocab] at each sequence's last position, and, where
     the step computed them with its forward (a CUDA-graph decode step), each row's maximum
     and its index, which greedy sampling takes as they are."""
 

@@ -49,7 +49,7 @@ Picked = tuple[int, TokenLogprob | None]
 
 class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Picked | Exception]:
-        """Each sequence's token (and logprobs if it asked) from its row of float32 `logits`
+        """Each sequence's token (and logprobs if it asked) from its row of `logits`
         [rows, vocab], or the exception that fails that sequence alone: one read of the
         device for the whole batch, one more before it when seeded rows sample."""
         return self.launch(logits, seqs).read()
@@ -230,11 +230,12 @@ class Settings:
 
 
 def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's maximum and the first index that holds it (NaN counts as the greatest), as
-    `max(dim=-1)` gives them, in two passes where the vocabulary splits evenly into
-    ROW_MAX_PARTS to MAX_ROW_MAX_PARTS parts: torch reduces a short batch's 128K-wide rows
-    with one block each (27 microseconds at batch 1 on the H200, 2% of a 1B decode step);
-    the parts' maxima are found in parallel, then the first part holding the greatest."""
+    """Each row's maximum (in the logits' dtype) and the first index that holds it (NaN
+    counts as the greatest), as `max(dim=-1)` gives them, in two passes where the vocabulary
+    splits evenly into ROW_MAX_PARTS to MAX_ROW_MAX_PARTS parts: torch reduces a short
+    batch's 128K-wide rows with one block each (27 microseconds at batch 1 on the H200, 2% of
+    a 1B decode step); the parts' maxima are found in parallel, then the first part holding
+    the greatest."""
     rows, vocab = logits.shape
     parts = next((n for n in range(ROW_MAX_PARTS, MAX_ROW_MAX_PARTS + 1) if vocab % n == 0), 1)
     if parts == 1:
