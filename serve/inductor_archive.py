@@ -29,7 +29,6 @@ import shutil
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +101,8 @@ def _extract(archive: bytes, folder: Path, final: Path) -> None:
                 )
             data = source.read()
             if member.name.startswith(f"{TRITON}/") and target.name.startswith(GROUP):
-                data = _group(data, partial(_placed, final, name=member.name))
+                children = _children(data).items()
+                data = _group({file: _placed(final, path, member.name) for file, path in children})
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
             target.chmod(0o755 if member.mode & 0o100 else 0o644)
@@ -130,35 +130,46 @@ def _members(cache: Path) -> Iterator[tuple[str, bytes]]:
         elif top == AUTOGRAD:
             yield _normalized(name, path.read_bytes(), _autograd_entry)
         elif top == TRITON and path.name.startswith(GROUP):
-            yield name, _group(path.read_bytes(), partial(_inside, cache, name=name))
+            group = _relative_group(cache, path)
+            if group is not None:  # else left out: that kernel is built again at start
+                yield name, group
         elif top == TRITON or (name.endswith(KERNEL_SUFFIXES) and "/" in name):
             yield name, path.read_bytes()
         elif name.endswith(AUTOTUNED):
             yield name, _autotuned(path.read_bytes())
 
 
-def _group(data: bytes, place: Callable[[str], str]) -> bytes:
-    """A Triton group file with each child's path mapped by `place`."""
+def _children(source: Path | bytes) -> dict[str, str]:
+    """A Triton group file's children (file name → path), from its path or its bytes."""
+    data = source.read_bytes() if isinstance(source, Path) else source
     try:
         children = json.loads(data)["child_paths"]
-        mapped = {name: place(path) for name, path in children.items()}
+        if not all(isinstance(v, str) for v in children.values()):
+            raise TypeError("a child's path is not a string")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise IntegrityError(
             f"Triton cache group file is not what flare expects ({exc})",
             "the package is malformed: ask its publisher to rebuild it",
         ) from exc
-    return json.dumps({"child_paths": mapped}, sort_keys=True).encode()
+    return children
 
 
-def _inside(cache: Path, child: str, name: str) -> str:
-    """`child`, an absolute path in the cache folder, relative to it."""
+def _group(children: dict[str, Any]) -> bytes:
+    return json.dumps({"child_paths": children}, sort_keys=True).encode()
+
+
+def _relative_group(cache: Path, path: Path) -> bytes | None:
+    """The group file at `path` with its children relative to the cache folder; None for one
+    Triton did not write as flare expects or that names a file elsewhere (a server builds
+    that kernel again at start, and its ready line names it)."""
+    root = cache.resolve()
     try:
-        return Path(child).resolve().relative_to(cache.resolve()).as_posix()
-    except ValueError as exc:
-        raise IntegrityError(
-            f"Triton's {name} names {child}, outside the cache folder {cache}",
-            "compile with Triton's cache in the folder that is packed (use_cache_folder)",
-        ) from exc
+        children = _children(path).items()
+        return _group(
+            {file: Path(at).resolve().relative_to(root).as_posix() for file, at in children}
+        )
+    except (IntegrityError, ValueError):
+        return None
 
 
 def _autotuned(data: bytes) -> bytes:
