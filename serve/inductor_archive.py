@@ -139,9 +139,8 @@ def _members(cache: Path) -> Iterator[tuple[str, bytes]]:
             yield name, _autotuned(path.read_bytes())
 
 
-def _children(source: Path | bytes) -> dict[str, str]:
-    """A Triton group file's children (file name → path), from its path or its bytes."""
-    data = source.read_bytes() if isinstance(source, Path) else source
+def _children(data: bytes) -> dict[str, str]:
+    """A Triton group file's children: file name → path."""
     try:
         children = json.loads(data)["child_paths"]
         if not all(isinstance(v, str) for v in children.values()):
@@ -164,7 +163,7 @@ def _relative_group(cache: Path, path: Path) -> bytes | None:
     that kernel again at start, and its ready line names it)."""
     root = cache.resolve()
     try:
-        children = _children(path).items()
+        children = _children(path.read_bytes()).items()
         return _group(
             {file: Path(at).resolve().relative_to(root).as_posix() for file, at in children}
         )

@@ -52,21 +52,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out if bias is None else out + bias
 
 
+WARPS = 4
+"""Warps a program: no tiling in the sweep was faster with 8."""
+
+
 @dataclass(frozen=True)
 class Tiling:
     """How `few_rows` cuts one product: output columns per program, K per loop step, the
-    reduction's parts, and Triton's launch settings."""
+    reduction's parts, and its pipeline's depth."""
 
     block_n: int
     block_k: int
     split: int
-    warps: int
     stages: int
 
 
-def tiling(rows: int, n: int, k: int) -> Tiling:
-    """The tiling for a [rows, k] x [k, n] product, from the weight's shape alone (so a row
-    gets the same sums in any batch), after a sweep of 54 tilings on an H200 at 1, 16 and 64
+def tiling(n: int, k: int) -> Tiling:
+    """The tiling for a product by an [n, k] weight, from its shape alone (so a row gets the
+    same sums in any batch), after a sweep of 54 tilings on an H200 at 1, 16 and 64
     rows for the 1B and 8B Llama shapes (tests/bench/gpu_linear.py, docs/performance.md):
     narrow tiles where the output is narrow, so every multiprocessor has a tile; the K
     reduction in four parts where K is over 3x the output (down_proj); wide tiles and a
@@ -75,7 +78,7 @@ def tiling(rows: int, n: int, k: int) -> Tiling:
     block_n = 16 if n <= 2048 and split == 1 else 32 if n <= 4096 or split > 1 else 64
     block_k = 256 if split == 1 and n <= 4096 and k <= 4096 else 128
     stages = 3 if n >= 16384 else 5
-    return Tiling(block_n=block_n, block_k=block_k, split=split, warps=4, stages=stages)
+    return Tiling(block_n=block_n, block_k=block_k, split=split, stages=stages)
 
 
 def stages_within(cut: Tiling, rows: int) -> int:
@@ -161,19 +164,15 @@ _products: set[tuple[int, int, torch.dtype]] = set()
 """(n, k, dtype) of each weight `flare::linear` gave to `few_rows` in this process."""
 
 
-def build_kernels(rows: list[int], device: torch.device) -> int:
+def build_kernels(rows: list[int], device: torch.device) -> None:
     """Launch `few_rows` for every product this process ran (a warm-up runs them all) at each
     row count, so Triton compiles each kernel they need now, into its cache folder (which a
-    package's compile phase packs), not at a server's start. Returns the products run."""
-    launched = 0
+    package's compile phase packs), not at a server's start."""
     for n, k, dtype in sorted(_products, key=str):
         weight = torch.zeros((n, k), dtype=dtype, device=device)
         for count in rows:
             if count <= FEW_ROWS:
                 few_rows(torch.zeros((count, k), dtype=dtype, device=device), weight)
-                launched += 1
-        del weight
-    return launched
 
 
 _counts: dict[torch.device, torch.Tensor] = {}
@@ -188,7 +187,7 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, cut: Tiling | None = None) -
     """x @ weight.T for x [rows ≤ MOST_ROWS, k] and weight [n, k], both contiguous, one dtype."""
     rows, k = x.shape
     n = weight.shape[0]
-    cut = cut or tiling(rows, n, k)
+    cut = cut or tiling(n, k)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, cut.block_n)
     counts = _counters(x.device)
@@ -200,7 +199,7 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, cut: Tiling | None = None) -
     _few_rows_kernel[(tiles, cut.split)](
         x, weight, out, parts, counts, rows, n, k,
         BLOCK_M=block_rows(rows), BLOCK_N=cut.block_n, BLOCK_K=cut.block_k, SPLIT=cut.split,
-        EVEN_K=k % cut.block_k == 0, num_warps=cut.warps, num_stages=stages_within(cut, rows),
+        EVEN_K=k % cut.block_k == 0, num_warps=WARPS, num_stages=stages_within(cut, rows),
     )  # fmt: skip
     return out
 

@@ -53,10 +53,8 @@ REPLAYS = 7
 
 def grid() -> list[Tiling]:
     return [
-        Tiling(block_n=n, block_k=k, split=s, warps=w, stages=st)
-        for n, k, s, w, st in itertools.product(
-            (16, 32, 64), (128, 256, 512), (1, 2, 4), (4,), (3, 5)
-        )
+        Tiling(block_n=n, block_k=k, split=s, stages=st)
+        for n, k, s, st in itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 4), (3, 5))
     ]
 
 
@@ -122,7 +120,7 @@ def measure(args: argparse.Namespace) -> dict:
                 entry["cublas_us"] = round(cublas * 1e6, 2)
                 entry["cublas_tb_s"] = round(nbytes / cublas / 1e12, 2)
                 entry["cublas_err_ulp"] = round(_error(F.linear(x, weight), want), 2)
-                picked = tiling(rows, n, k)
+                picked = tiling(n, k)
                 results = []
                 for cut in [picked, *[c for c in cuts if c != picked]]:
                     try:
