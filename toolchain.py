@@ -46,6 +46,7 @@ FORWARD_SOURCES = (
     "serve/models/llama.py",
     "serve/models/rms_norm.py",
     "serve/models/linear.py",
+    "serve/models/residual.py",
     "serve/engine/attention_op.py",
     "serve/engine/runner.py",
     "serve/compiled.py",
