@@ -139,15 +139,14 @@ if triton is not None:
         return tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
 
     @triton.jit
-    def _read_raw(x_at, norm_ptr, at_k, at, k, row_ok, INPUT: tl.constexpr):
-        """What the [rows, BLOCK_K] block at column `at` of a gated or normed input is made
-        from: gate and up, or the rows and the norm's weight."""
-        k_ok = at_k + at < k
-        first = tl.load(x_at + at, mask=row_ok & k_ok[None, :], other=0.0)
+    def _read_raw(x_at, norm_at, k, mask, k_mask, INPUT: tl.constexpr):
+        """What a [rows, BLOCK_K] block of a gated or normed input is made from: gate and
+        up, or the rows and the norm's weight."""
+        first = tl.load(x_at, mask=mask, other=0.0)
         if INPUT == 1:
-            second = tl.load(x_at + k + at, mask=row_ok & k_ok[None, :], other=0.0)
+            second = tl.load(x_at + k, mask=mask, other=0.0)
         else:
-            second = tl.load(norm_ptr + at + at_k, mask=k_ok, other=0.0)
+            second = tl.load(norm_at, mask=k_mask, other=0.0)
         return first, second
 
     @triton.jit
@@ -209,7 +208,9 @@ if triton is not None:
         if INPUT == 2:
             scale = _row_scales(squares_ptr, square_parts, rows, k, eps, at_m, PARTS)
         if INPUT != 0:  # made from loads issued a step ahead, so they overlap the product
-            one, two = _read_raw(x_at, norm_ptr, at_k, first * BLOCK_K, k, row_ok, INPUT)
+            at = first * BLOCK_K
+            where = row_ok & (at_k[None, :] + at < k)
+            one, two = _read_raw(x_at + at, norm_ptr + at + at_k, k, where, at_k + at < k, INPUT)  # noqa: E501
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in range(first, last):
             offset = step * BLOCK_K
@@ -222,7 +223,9 @@ if triton is not None:
                 x = tl.load(x_at + offset, mask=x_mask, other=0.0)
             else:
                 these, those = one, two
-                one, two = _read_raw(x_at, norm_ptr, at_k, offset + BLOCK_K, k, row_ok, INPUT)
+                at = offset + BLOCK_K
+                where = row_ok & (at_k[None, :] + at < k)
+                one, two = _read_raw(x_at + at, norm_ptr + at + at_k, k, where, at_k + at < k, INPUT)  # noqa: E501
                 x = _made_input(these, those, scale, INPUT)
             w = tl.load(w_at + offset, mask=w_mask, other=0.0)
             total = tl.dot(x, w, total)
