@@ -139,29 +139,23 @@ if triton is not None:
         return tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
 
     @triton.jit
-    def _read_raw(x_at, norm_at, k, mask, k_mask, INPUT: tl.constexpr):
-        """What a [rows, BLOCK_K] block of a gated or normed input is made from: gate and
-        up, or the rows and the norm's weight."""
-        first = tl.load(x_at, mask=mask, other=0.0)
+    def _read_input(x_at, norm_at, scale, k, mask, k_mask, INPUT: tl.constexpr):
+        """A [rows, BLOCK_K] block of the product's input, as the model's dtype rounds it:
+        the rows; SiLU(gate) then its product with up; or the rows' norm, then its product
+        with the norm's weight (the arithmetic of torch's operations on a bf16 model)."""
+        dtype = x_at.dtype.element_ty
         if INPUT == 1:
-            second = tl.load(x_at + k, mask=mask, other=0.0)
-        else:
-            second = tl.load(norm_at, mask=k_mask, other=0.0)
-        return first, second
-
-    @triton.jit
-    def _made_input(first, second, scale, INPUT: tl.constexpr):
-        """The block from `_read_raw`'s parts, as the model's dtype rounds it: SiLU(gate),
-        then its product with up; or the rows' norm, then its product with the norm's
-        weight (the arithmetic of torch's operations on a bf16 model)."""
-        dtype = first.dtype
-        if INPUT == 1:
-            gate = first.to(tl.float32)
+            gate = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(x_at + k, mask=mask, other=0.0).to(tl.float32)
             silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-            x = (silu * second.to(tl.float32)).to(dtype)
+            x = (silu * up).to(dtype)
+        elif INPUT == 2:
+            value = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
+            normed = (value * scale[:, None]).to(dtype).to(tl.float32)
+            weight = tl.load(norm_at, mask=k_mask, other=0.0).to(tl.float32)
+            x = (normed * weight[None, :]).to(dtype)
         else:
-            normed = (first.to(tl.float32) * scale[:, None]).to(dtype).to(tl.float32)
-            x = (normed * second.to(tl.float32)[None, :]).to(dtype)
+            x = tl.load(x_at, mask=mask, other=0.0)
         return x
 
     @triton.jit
@@ -207,26 +201,19 @@ if triton is not None:
         scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if INPUT == 2:
             scale = _row_scales(squares_ptr, square_parts, rows, k, eps, at_m, PARTS)
-        if INPUT != 0:  # made from loads issued a step ahead, so they overlap the product
-            at = first * BLOCK_K
-            where = row_ok & (at_k[None, :] + at < k)
-            one, two = _read_raw(x_at + at, norm_ptr + at + at_k, k, where, at_k + at < k, INPUT)  # noqa: E501
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in range(first, last):
             offset = step * BLOCK_K
-            w_mask = col_ok
-            x_mask = row_ok
-            if not EVEN_K:
-                w_mask = col_ok & (at_k[:, None] + offset < k)
-                x_mask = row_ok & (at_k[None, :] + offset < k)
-            if INPUT == 0:
-                x = tl.load(x_at + offset, mask=x_mask, other=0.0)
+            if EVEN_K:
+                x_mask = row_ok
+                w_mask = col_ok
             else:
-                these, those = one, two
-                at = offset + BLOCK_K
-                where = row_ok & (at_k[None, :] + at < k)
-                one, two = _read_raw(x_at + at, norm_ptr + at + at_k, k, where, at_k + at < k, INPUT)  # noqa: E501
-                x = _made_input(these, those, scale, INPUT)
+                x_mask = row_ok & (at_k[None, :] + offset < k)
+                w_mask = col_ok & (at_k[:, None] + offset < k)
+            x = _read_input(
+                x_at + offset, norm_ptr + offset + at_k, scale, k, x_mask,
+                at_k + offset < k, INPUT,
+            )  # fmt: skip
             w = tl.load(w_at + offset, mask=w_mask, other=0.0)
             total = tl.dot(x, w, total)
         mask = row_ok & col_ok

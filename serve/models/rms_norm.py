@@ -82,10 +82,11 @@ if triton is not None:
         parts = triton.cdiv(cols, width)
         summed = torch.empty((rows, cols), dtype=y.dtype, device=y.device)
         squares = torch.empty((parts, rows), dtype=torch.float32, device=y.device)
-        wrap_triton(_add_squares_kernel)[(rows,)](
-            y.contiguous(), residual.contiguous(), summed, squares, rows, cols,
-            WIDTH=width, PARTS=triton.next_power_of_2(parts), num_warps=_warps(cols),
-        )  # fmt: skip
+        if rows:
+            wrap_triton(_add_squares_kernel)[(rows,)](
+                y.contiguous(), residual.contiguous(), summed, squares, rows, cols,
+                WIDTH=width, PARTS=triton.next_power_of_2(parts), num_warps=_warps(cols),
+            )  # fmt: skip
         return summed, squares
 
     @triton.jit
@@ -112,11 +113,13 @@ if triton is not None:
         """RMSNorm of x [rows, cols] from its rows' sums of squares in parts [parts, rows]."""
         rows, cols = x.shape
         out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-        wrap_triton(_normalize_kernel)[(rows,)](
-            x.contiguous(), squares.contiguous(), weight, out, rows, cols, squares.shape[0],
-            eps, BLOCK=triton.next_power_of_2(cols), PARTS=triton.next_power_of_2(squares.shape[0]),
-            num_warps=_warps(cols),
-        )  # fmt: skip
+        if rows:
+            block = triton.next_power_of_2(cols)
+            wrap_triton(_normalize_kernel)[(rows,)](
+                x.contiguous(), squares.contiguous(), weight, out, rows, cols, squares.shape[0],
+                eps, BLOCK=block, PARTS=triton.next_power_of_2(squares.shape[0]),
+                num_warps=_warps(cols),
+            )  # fmt: skip
         return out
 
     def _warps(cols: int) -> int:

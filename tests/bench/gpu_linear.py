@@ -185,20 +185,20 @@ def chain_step(weights: dict, x: torch.Tensor, way: dict) -> torch.Tensor:
     return way["normed"](stream, weights["layers"][0]["norm"], weights["lm_head"])
 
 
-def row_kernel_way(product) -> dict:
-    """`product` with the row kernels around it (the norm, the add with its sums of squares):
-    with cuBLAS, what the model runs beyond FEW_ROWS rows."""
+def cublas_way() -> dict:
+    """cuBLAS's products with the row kernels around them: what the model runs beyond
+    FEW_ROWS rows."""
     from flare.serve.models.linear import tiling
     from flare.serve.models.rms_norm import add_squares, normalize
 
     def normed(stream, norm, weight):
-        return product(normalize(*stream, norm, 1e-5), weight)
+        return F.linear(normalize(*stream, norm, 1e-5), weight)
 
     def added(x, weight, stream, gated):
         if gated:
             gate, up = x.chunk(2, dim=-1)
             x = F.silu(gate) * up
-        return add_squares(product(x, weight), stream[0], tiling(*weight.shape).block_n)
+        return add_squares(F.linear(x, weight), stream[0], tiling(*weight.shape).block_n)
 
     return {"normed": normed, "added": added}
 
@@ -241,11 +241,7 @@ def time_chain(weights: dict, x: torch.Tensor, way: dict) -> tuple[float, torch.
 
 def measure_chain(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
-    ways = {
-        "cublas": row_kernel_way(F.linear),
-        "few_rows_unfused": row_kernel_way(lambda x, w: few_rows(x.contiguous(), w)),
-        "few_rows": fused_way(),
-    }
+    ways = {"cublas": cublas_way(), "few_rows": fused_way()}
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for shape in args.shapes:
         weights = chain_weights(shape, "cuda")
