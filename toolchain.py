@@ -46,7 +46,6 @@ FORWARD_SOURCES = (
     "serve/models/llama.py",
     "serve/models/rms_norm.py",
     "serve/models/linear.py",
-    "serve/models/residual.py",
     "serve/engine/attention_op.py",
     "serve/engine/runner.py",
     "serve/compiled.py",

@@ -14,18 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flare.serve.models.linear import (
-    FEW_ROWS,
-    MOST_ROWS,
-    Added,
-    Normed,
-    Tiling,
-    few_rows,
-    linear,
-    square_parts,
-    tiling,
-)
-from flare.serve.models.rms_norm import rms_norm
+from flare.serve.models.linear import FEW_ROWS, MOST_ROWS, Tiling, few_rows, linear
 
 TRITON = importlib.util.find_spec("triton") is not None
 CUDA = torch.cuda.is_available() and TRITON
@@ -131,91 +120,3 @@ def test_linear_elsewhere_is_f_linear_bitwise() -> None:
     x, weight, bias = (torch.randn(*shape, generator=generator) for shape in ((3, 8), (5, 8), (5,)))
     assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))
     assert torch.equal(linear(x, weight, None), F.linear(x, weight))
-
-
-def _fused_operands(rows: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """A residual stream [rows, k] of a model's scale, an RMSNorm weight, a weight [n, k]."""
-    generator = torch.Generator().manual_seed(seed)
-    stream = (torch.randn(rows, k, generator=generator) * 3).to(DEVICE, DTYPE)
-    norm = (1 + 0.1 * torch.randn(k, generator=generator)).to(DEVICE, DTYPE)
-    weight = (torch.randn(n, k, generator=generator) * k**-0.5).to(DEVICE, DTYPE)
-    return stream, norm, weight
-
-
-def _in_parts(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x's rows' sums of squares over each `width` columns, [parts, rows] float32."""
-    wide = x.float()
-    return torch.stack([(part * part).sum(-1) for part in wide.split(width, dim=-1)])
-
-
-@needs_kernel
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 3072, 2048), (5, 48, 384), (16, 96, 1000)])
-def test_a_normed_input_is_the_product_of_the_norm(rows: int, n: int, k: int) -> None:
-    """Read through `Normed`, the input is transformers' RMSNorm of the rows (from their sums
-    of squares in parts), rounded as torch rounds it, then multiplied."""
-    stream, norm, weight = _fused_operands(rows, n, k, seed=rows + n)
-    normed = rms_norm(stream, norm, 1e-5)
-    got = few_rows(stream, weight, normed=Normed(_in_parts(stream, 64), norm, 1e-5))
-    _within_one_rounding(got, normed, weight)
-
-
-@needs_kernel
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 2048, 8192), (3, 64, 384), (16, 40, 1000)])
-def test_a_gated_input_is_silu_of_gate_times_up(rows: int, n: int, k: int) -> None:
-    """`gated` reads [gate | up] rows as SiLU(gate) * up, each rounded as torch rounds it."""
-    generator = torch.Generator().manual_seed(rows + n + k)
-    gate_up = (torch.randn(rows, 2 * k, generator=generator) * 2).to(DEVICE, DTYPE)
-    weight = (torch.randn(n, k, generator=generator) * k**-0.5).to(DEVICE, DTYPE)
-    gate, up = gate_up.chunk(2, dim=-1)
-    _within_one_rounding(few_rows(gate_up, weight, gated=True), F.silu(gate) * up, weight)
-
-
-@needs_kernel
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 2048, 2048), (4, 2048, 8192), (16, 40, 1000)])
-def test_an_added_product_is_the_stream_plus_the_product_and_its_squares(
-    rows: int, n: int, k: int
-) -> None:
-    """With `Added` the tile is the product rounded, plus the residual, rounded (torch's add
-    of two half tensors, bitwise), and each tile leaves its rows' sums of squares: together
-    the whole row's, as a norm needs them. Split or not (k >= 3n splits)."""
-    x, weight = _operands(rows, n, k, seed=11)
-    residual = _operands(rows, k, n, seed=12)[1][:rows].contiguous() * 3
-    squares = torch.empty((square_parts(weight), rows), dtype=torch.float32, device=DEVICE)
-    summed = few_rows(x, weight, added=Added(residual, squares))
-    assert torch.equal(summed, few_rows(x, weight) + residual)
-    assert torch.allclose(squares, _in_parts(summed, tiling(n, k).block_n), rtol=1e-5)
-
-
-@needs_kernel
-def test_fused_rows_get_the_same_bits_in_a_batch_of_any_size() -> None:
-    """Batch invariance holds through the fused reads and writes, up to FEW_ROWS rows."""
-    stream, norm, weight = _fused_operands(FEW_ROWS, 2048, 2048, seed=3)
-    parts = _in_parts(stream, 16)
-    batched = few_rows(stream, weight, normed=Normed(parts, norm, 1e-5))
-    row_parts = parts[:, 5:6].contiguous()
-    alone = few_rows(stream[5:6].contiguous(), weight, normed=Normed(row_parts, norm, 1e-5))
-    assert torch.equal(alone[0], batched[5])
-    squares = torch.empty((square_parts(weight), FEW_ROWS), dtype=torch.float32, device=DEVICE)
-    added = few_rows(stream, weight, added=Added(batched, squares))
-    one = torch.empty((square_parts(weight), 1), dtype=torch.float32, device=DEVICE)
-    row = few_rows(stream[5:6].contiguous(), weight, added=Added(batched[5:6].contiguous(), one))
-    assert torch.equal(row[0], added[5])
-    assert torch.equal(one[:, 0], squares[:, 5])
-
-
-@needs_kernel
-@pytest.mark.parametrize("rows", [1, FEW_ROWS, FEW_ROWS + 9])
-def test_the_fused_operators_give_what_the_plain_ones_give(rows: int) -> None:
-    """`flare::norm_linear` and `flare::linear_add`, in `few_rows` or (beyond FEW_ROWS) by
-    cuBLAS and the row kernels, against a norm, a product and an add in torch operations."""
-    stream, norm, weight = _fused_operands(rows, 256, 512, seed=rows)
-    down = _fused_operands(rows, 512, 128, seed=rows + 1)[2]
-    parts = _in_parts(stream, 64)
-    got = torch.ops.flare.norm_linear(stream, parts, norm, 1e-5, weight)
-    _within_one_rounding(got, rms_norm(stream, norm, 1e-5), weight)
-    summed, squares = torch.ops.flare.linear_add(got, down, stream, True)
-    gate, up = got.chunk(2, dim=-1)
-    want = F.linear(F.silu(gate) * up, down).float() + stream.float()
-    assert ((summed.float() - want).abs() <= want.abs() * 2**-7 + 1e-2).all()
-    assert squares.shape == (square_parts(down), rows)
-    assert torch.allclose(squares.sum(0), summed.float().square().sum(-1), rtol=1e-4)

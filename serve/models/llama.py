@@ -8,8 +8,7 @@ name, except two fused projections per layer, which a recipe-v2 package lays out
 part into its rows (serve/models/fused.py). Family differences are config switches: Qwen2's
 q/k/v biases, Qwen3's per-head q/k RMSNorm, Llama's `attention_bias`/`mlp_bias`, llama3 RoPE
 scaling, tied embeddings. Matrix products go through `linear` (serve/models/linear.py): on
-CUDA, a decode step's products of few rows run flare's own kernel, which also does the norm
-before a block's first product and the residual add after its last (residual.py).
+CUDA, a decode step's products of few rows run flare's own kernel.
 
 Tensor parallel (serve/models/shard.py): with a `Shard` of N ranks, each rank holds whole
 query and KV heads (heads / N, KV heads / N: the build refuses KV heads that N does not
@@ -36,7 +35,6 @@ from flare.serve.engine.attention import AttentionBackend, AttentionSpec
 from flare.serve.models.files import load_by_name
 from flare.serve.models.fused import FusedRows, Parts
 from flare.serve.models.linear import linear
-from flare.serve.models.residual import Stream, add_product, final_norm, normed_product, start
 from flare.serve.models.rms_norm import RMSNorm
 from flare.serve.models.shard import Shard
 
@@ -163,17 +161,15 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        stream: Stream,
-        norm: RMSNorm,
+        x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
         attention: AttentionBackend,
-    ) -> Stream:
-        """The stream with this block's output added. The new keys and values go to attention
-        side by side, [tokens, 2, kv_heads, dim]: q, k and v come out of one pointwise pass
-        (rotary on q and k, v copied) that a compiled forward makes one kernel, and the cache
-        stores K and V in one scatter."""
+    ) -> torch.Tensor:
+        """The new keys and values go to attention side by side, [tokens, 2, kv_heads, dim]:
+        q, k and v come out of one pointwise pass (rotary on q and k, v copied) that a
+        compiled forward makes one kernel, and the cache stores K and V in one scatter."""
         heads, kv_heads = self.heads, self.kv_heads
-        qkv = normed_product(stream, norm, self.qkv_proj)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         qkv = qkv.view(-1, heads + 2 * kv_heads, self.head_dim)
         q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=1)
         if hasattr(self, "q_norm"):
@@ -181,7 +177,7 @@ class Attention(nn.Module):
         qkv = torch.cat((apply_rotary(q, *rotary), apply_rotary(k, *rotary), v), dim=1)
         q, kv = qkv.split((heads, 2 * kv_heads), dim=1)
         out = attention.attend(self.layer, q, kv.unflatten(1, (2, kv_heads)))
-        return add_product(out.reshape(-1, heads * self.head_dim), self.o_proj, stream)
+        return self.o_proj(out.reshape(-1, heads * self.head_dim))
 
     def fused_rows(self) -> dict[str, tuple[tuple[str, int], ...]]:
         """The fused projection's checkpoint parts and this rank's rows of each, in order."""
@@ -198,10 +194,10 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = RowParallelLinear(inter, hidden, bias, shard)
 
-    def forward(self, stream: Stream, norm: RMSNorm) -> Stream:
-        """The stream plus down(SiLU(gate) * up) of its norm."""
-        gate_up = normed_product(stream, norm, self.gate_up_proj)
-        return add_product(gate_up, self.down_proj, stream, gated=True)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
     def fused_rows(self) -> dict[str, tuple[tuple[str, int], ...]]:
         """The fused projection's checkpoint parts and this rank's rows of each, in order."""
@@ -217,12 +213,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
 
     def forward(
-        self, stream: Stream, rotary: tuple[torch.Tensor, torch.Tensor], attention: AttentionBackend
-    ) -> Stream:
-        """The stream with the attention's and the MLP's outputs added, each block's norm done
-        by its first product on CUDA (residual.py)."""
-        stream = self.self_attn(stream, self.input_layernorm, rotary, attention)
-        return self.mlp(stream, self.post_attention_layernorm)
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attention: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it): the next layer adds the two as
+        it normalizes (`RMSNorm.add`), so each add and norm is one kernel on CUDA. The first
+        layer's `x` is the embeddings and its residual None."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(x), x
+        else:
+            hidden, residual = self.input_layernorm.add(x, residual)
+        x = self.self_attn(hidden, rotary, attention)
+        hidden, residual = self.post_attention_layernorm.add(x, residual)
+        return self.mlp(hidden), residual
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -286,10 +292,10 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
         rotary = self.model.rotary(positions)
-        stream = start(self.model.embed_tokens(input_ids))
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            stream = layer(stream, rotary, attention)
-        return final_norm(stream, self.model.norm)
+            x, residual = layer(x, residual, rotary, attention)
+        return self.model.norm.add(x, residual)[0] if residual is not None else self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight

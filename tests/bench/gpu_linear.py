@@ -15,12 +15,10 @@ divided by its products.
     python tests/bench/gpu_linear.py --chain --out $OUT    # whole layers, see below
 
 `--chain` times a decode step's products in their order, as a model's layers run them, every
-layer with weights of its own: norm, q/k/v, (a stand-in for attention), o_proj, add, norm,
-gate/up, silu*mul, down_proj, add, and the logits, one CUDA graph a step. Two ways: cuBLAS
-with the row kernels around it (the norm, the add with its sums of squares: what the model
-runs beyond FEW_ROWS rows), and `few_rows` with all of them in its kernel (what a decode step
-of up to FEW_ROWS runs). It prints each way's step time, its ratio to cuBLAS, and how far the
-ways' logits are apart.
+layer with weights of its own: add+norm, q/k/v, (a stand-in for attention), o_proj, add+norm,
+gate/up, silu*mul, down_proj, and the logits, one CUDA graph a step. Two ways: cuBLAS and
+`few_rows`. It prints each way's step time, its ratio to cuBLAS, and how far the ways' logits
+are apart.
 """
 
 from __future__ import annotations
@@ -170,62 +168,35 @@ def chain_weights(shape: str, device: str) -> dict:
     return {"layers": layers, "lm_head": draw(*dims["lm_head"]), "hidden": hidden}
 
 
-def chain_step(weights: dict, x: torch.Tensor, way: dict) -> torch.Tensor:
-    """A decode step's products and norms in order, the residual stream's as the model's
-    (serve/models/residual.py); attention is a copy of q's columns."""
-    from flare.serve.models.rms_norm import row_squares
+def chain_step(weights: dict, x: torch.Tensor, product) -> torch.Tensor:
+    """A decode step's products and norms in order; attention is a copy of q's columns."""
+    from flare.serve.models.rms_norm import add_rms_norm
 
-    stream = (x, row_squares(x))
+    hidden, residual = x, torch.zeros_like(x)
     width = weights["hidden"]
     for layer in weights["layers"]:
-        qkv = way["normed"](stream, layer["norm"], layer["qkv"])
-        stream = way["added"](qkv[:, :width].contiguous(), layer["o"], stream, False)
-        gate_up = way["normed"](stream, layer["norm"], layer["gate_up"])
-        stream = way["added"](gate_up, layer["down"], stream, True)
-    return way["normed"](stream, weights["layers"][0]["norm"], weights["lm_head"])
+        normed, residual = add_rms_norm(hidden, residual, layer["norm"], 1e-5)
+        qkv = product(normed, layer["qkv"])
+        attended = qkv[:, :width].contiguous()
+        out = product(attended, layer["o"])
+        normed, residual = add_rms_norm(out, residual, layer["norm"], 1e-5)
+        gate, up = product(normed, layer["gate_up"]).chunk(2, dim=-1)
+        hidden = product(F.silu(gate) * up, layer["down"])
+    normed, _ = add_rms_norm(hidden, residual, weights["layers"][0]["norm"], 1e-5)
+    return product(normed, weights["lm_head"])
 
 
-def cublas_way() -> dict:
-    """cuBLAS's products with the row kernels around them: what the model runs beyond
-    FEW_ROWS rows."""
-    from flare.serve.models.linear import tiling
-    from flare.serve.models.rms_norm import add_squares, normalize
-
-    def normed(stream, norm, weight):
-        return F.linear(normalize(*stream, norm, 1e-5), weight)
-
-    def added(x, weight, stream, gated):
-        if gated:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
-        return add_squares(F.linear(x, weight), stream[0], tiling(*weight.shape).block_n)
-
-    return {"normed": normed, "added": added}
-
-
-def fused_way() -> dict:
-    """`few_rows` with the norm, SiLU * up and the residual add in its kernel."""
-
-    def normed(stream, norm, weight):
-        return torch.ops.flare.norm_linear(*stream, norm, 1e-5, weight)
-
-    def added(x, weight, stream, gated):
-        return torch.ops.flare.linear_add(x, weight, stream[0], gated)
-
-    return {"normed": normed, "added": added}
-
-
-def time_chain(weights: dict, x: torch.Tensor, way: dict) -> tuple[float, torch.Tensor]:
+def time_chain(weights: dict, x: torch.Tensor, product) -> tuple[float, torch.Tensor]:
     """Seconds a step (the median of REPLAYS replays of its graph) and its logits."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        chain_step(weights, x, way)
+        chain_step(weights, x, product)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        logits = chain_step(weights, x, way)
+        logits = chain_step(weights, x, product)
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -241,7 +212,10 @@ def time_chain(weights: dict, x: torch.Tensor, way: dict) -> tuple[float, torch.
 
 def measure_chain(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
-    ways = {"cublas": cublas_way(), "few_rows": fused_way()}
+    ways = {
+        "cublas": lambda x, w: F.linear(x, w),
+        "few_rows": lambda x, w: few_rows(x, w),
+    }
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for shape in args.shapes:
         weights = chain_weights(shape, "cuda")
@@ -249,9 +223,9 @@ def measure_chain(args: argparse.Namespace) -> dict:
             x = torch.randn(rows, weights["hidden"], device="cuda", dtype=torch.bfloat16)
             entry: dict = {}
             reference = None
-            for name, way in ways.items():
+            for name, product in ways.items():
                 try:
-                    seconds, logits = time_chain(weights, x, way)
+                    seconds, logits = time_chain(weights, x, product)
                 except Exception as exc:
                     entry[name] = {"failed": f"{type(exc).__name__}: {exc}"[:200]}
                     continue
