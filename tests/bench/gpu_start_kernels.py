@@ -10,8 +10,11 @@ to 1) that differs. The script builds gpu_serving.py's checkpoint of the shape, 
 `--layers` layers (a build of minutes, the same products), with `--max-concurrency 64` as
 gpu_serving.py does, then serves it; both run with a Triton compile listener (installed by a
 sitecustomize module on their PYTHONPATH) that logs every kernel Triton compiles rather than
-finds in its cache. It reports the ready line, and each kernel the start built beside the
-build's launches of the same kernel.
+finds in its cache: its name, constants, specialized arguments, signature, and the metadata
+Triton keys its cache with (the key's hash, the options, the cache-invalidating environment),
+with the cache folder it looked in. It reports the ready line, and each kernel the start
+built beside the build's launches of the same kernel: where the two agree on everything but
+the hash, the difference is in what Triton hashes besides them.
 """
 
 from __future__ import annotations
@@ -41,11 +44,15 @@ if knobs is not None and os.environ.get("KERNEL_LOG"):
         given.update(kwargs)
         if not given.get("cache_hit"):
             src = given.get("src")
+            metadata = given.get("metadata") or {}
             entry = {
                 "name": getattr(src, "name", "?"),
                 "constants": repr(getattr(src, "constants", None)),
                 "attrs": repr(getattr(src, "attrs", None)),
                 "signature": repr(getattr(src, "signature", None)),
+                "metadata": {str(k): repr(v)[:200] for k, v in metadata.items()},
+                "cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+                "pid": os.getpid(),
             }
             with open(os.environ["KERNEL_LOG"], "a") as log:
                 log.write(json.dumps(entry) + "\\n")
