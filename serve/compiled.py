@@ -98,6 +98,25 @@ def use_cache_folder(folder: Path) -> None:
     its first launch) lands in the folder that is packed, and a server finds it there."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     os.environ["TRITON_CACHE_DIR"] = str(folder / "triton" / "0")
+    pin_triton_tools()
+
+
+def pin_triton_tools() -> None:
+    """Point Triton at the ptxas (and libdevice) Inductor gives it, now, before anything
+    compiles. Inductor sets them (TRITON_PTXAS_PATH: torch's own ptxas) in the process that
+    compiles its kernels: its compile workers at build, the engine process itself at serve
+    (one compile thread there). Triton keys every kernel with its ptxas's version, so a
+    kernel flare launches itself (`few_rows`, the KV store, the norm) was keyed with
+    Triton's ptxas at build and with torch's at serve, missed in the package, and built again
+    at every start (tests/bench/gpu_start_kernels.py). Set first in both, the keys agree."""
+    try:
+        from torch._inductor.runtime import compile_tasks
+    except ImportError:  # a torch without Inductor's runtime compiles nothing here
+        return
+    for name in ("_set_triton_ptxas_path", "_set_triton_libdevice_path"):
+        pin = getattr(compile_tasks, name, None)
+        if pin is not None:
+            pin()
 
 
 class CompiledForward:

@@ -4,13 +4,19 @@ GPU the same tokens as the steps run kernel by kernel."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from registry_helpers import Quiet
 from test_runtime import build_package
 
+from flare.build.pipeline import Build, BuildRequest
 from flare.build.tiny import make_tiny_llama
+from flare.registry.registry import Registry
 from flare.serve.engine.cuda_graphs import padded_to
 from flare.serve.engine.flashinfer_attention import page_table
 from flare.serve.engine.runner import FreshRows, StepInput, StepLogits
@@ -115,3 +121,46 @@ def test_graph_decode_gives_the_logits_of_the_kernel_by_kernel_decode(tmp_path: 
     assert {rows for rows, _ in compared} >= {5, 3, 1}
     assert max(diff for _, diff in compared) <= 2e-2, compared
     assert agreed and all(agreed)
+
+
+START_IN_ENGINE = """
+import sys
+from pathlib import Path
+
+from flare.registry.refs import read_manifest
+from flare.registry.registry import Registry
+from flare.serve.runtime import load_runtime
+from flare.store.digest import Digest
+
+tmp, digest = Path(sys.argv[1]), Digest.parse(sys.argv[2])
+registry = Registry(str(tmp / "registry"), f"sqlite:///{tmp / 'index.db'}")
+manifest = read_manifest(registry.store, digest)
+(tmp / "fetched").mkdir()
+files = {str(d): registry.store.get(d, tmp / "fetched")[0] for d in manifest.blobs()}
+start = load_runtime(manifest, files, "cuda", kv_cache_tokens=4096).start_report
+print(start.forward, start.compilations.kernels, start.compilations.describe())
+"""
+
+
+@pytest.mark.skipif(not GPU, reason="needs CUDA and FlashInfer")
+def test_a_start_in_an_engine_process_builds_no_kernel(tmp_path: Path) -> None:
+    """A CUDA package loaded as `flare serve`'s engine process loads it (a process of its own,
+    Inductor on one compile thread, so Inductor compiles in it and points Triton at torch's
+    ptxas there) builds none of the Triton kernels the package carries: flare's own kernels
+    (its products, its KV store, its norm) were keyed at build as they are looked up here."""
+    source = make_tiny_llama(tmp_path / "tiny", hidden=512, layers=2)
+    registry = Registry(str(tmp_path / "registry"), f"sqlite:///{tmp_path / 'index.db'}")
+    request = BuildRequest(
+        source=str(source), name="tiny", staging=tmp_path / "staging", hub_cache=tmp_path
+    )
+    digest = Build(request, registry, Quiet()).run().digest
+    registry.db.dispose()
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", START_IN_ENGINE, str(tmp_path), str(digest)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    forward, kernels, described = done.stdout.split(maxsplit=2)
+    if forward == "package":
+        assert kernels == "0", described
