@@ -162,5 +162,4 @@ def test_a_start_in_an_engine_process_builds_no_kernel(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     forward, kernels, described = done.stdout.split(maxsplit=2)
-    if forward == "package":
-        assert kernels == "0", described
+    assert (forward, kernels) == ("package", "0"), described
