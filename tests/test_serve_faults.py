@@ -183,7 +183,9 @@ def stream_completion(url: str, out: list[Any]) -> None:
 
 
 def start_streams(server: Server, count: int) -> tuple[list[threading.Thread], list[Any]]:
-    """`count` long greedy streams on threads, returned once the engine is generating."""
+    """`count` long greedy streams on threads, returned once every one is admitted (running
+    or waiting in the engine: a stream whose request came later, on a busy machine, would meet
+    what the test does next) and the engine is generating."""
     streams: list[Any] = []
     threads = [
         threading.Thread(target=stream_completion, args=(server.url, streams)) for _ in range(count)
@@ -191,7 +193,10 @@ def start_streams(server: Server, count: int) -> tuple[list[threading.Thread], l
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 30
-    while server.metric("flare_generated_tokens_total") < 5:
+    while (
+        server.metric("flare_requests_running") + server.metric("flare_requests_waiting") < count
+        or server.metric("flare_generated_tokens_total") < 5
+    ):
         assert time.monotonic() < deadline, "the streams never started"
         time.sleep(0.01)
     return threads, streams
