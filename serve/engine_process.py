@@ -156,7 +156,9 @@ def engine_main(conn: Connection) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Inductor, read at its import: nothing is compiled here once the package is loaded, and
     # a kernel the package lacks is better built in this process than by a pool of compile
-    # workers (one per core, up to 32) started beside the serving. Not in its cache keys.
+    # workers (one per core, up to 32) started beside the serving. Inductor then points
+    # Triton at torch's ptxas in this process, which Triton's keys include: use_cache_folder
+    # pins it as the build did (serve/compiled.py).
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     from flare.serve.cache import HostCache  # torch's import, with the signals ignored
     from flare.serve.runtime import GenerateRuntime, load_runtime

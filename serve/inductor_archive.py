@@ -154,6 +154,7 @@ def _children(data: bytes) -> dict[str, str]:
 
 
 def _group(children: dict[str, Any]) -> bytes:
+    """A Triton group file's bytes, children sorted (the same children, the same bytes)."""
     return json.dumps({"child_paths": children}, sort_keys=True).encode()
 
 

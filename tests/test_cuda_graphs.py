@@ -4,6 +4,7 @@ GPU the same tokens as the steps run kernel by kernel."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -11,12 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from registry_helpers import Quiet
 from test_runtime import build_package
 
-from flare.build.pipeline import Build, BuildRequest
 from flare.build.tiny import make_tiny_llama
-from flare.registry.registry import Registry
 from flare.serve.engine.cuda_graphs import padded_to
 from flare.serve.engine.flashinfer_attention import page_table
 from flare.serve.engine.runner import FreshRows, StepInput, StepLogits
@@ -124,19 +122,16 @@ def test_graph_decode_gives_the_logits_of_the_kernel_by_kernel_decode(tmp_path: 
 
 
 START_IN_ENGINE = """
+import json
 import sys
 from pathlib import Path
 
-from flare.registry.refs import read_manifest
 from flare.registry.registry import Registry
 from flare.serve.runtime import load_runtime
-from flare.store.digest import Digest
 
-tmp, digest = Path(sys.argv[1]), Digest.parse(sys.argv[2])
-registry = Registry(str(tmp / "registry"), f"sqlite:///{tmp / 'index.db'}")
-manifest = read_manifest(registry.store, digest)
-(tmp / "fetched").mkdir()
-files = {str(d): registry.store.get(d, tmp / "fetched")[0] for d in manifest.blobs()}
+tmp = Path(sys.argv[1])
+files = {digest: Path(path) for digest, path in json.loads(sys.argv[2]).items()}
+manifest = Registry(str(tmp / "registry"), f"sqlite:///{tmp / 'index.db'}").manifest("tiny")[2]
 start = load_runtime(manifest, files, "cuda", kv_cache_tokens=4096).start_report
 print(start.forward, start.compilations.kernels, start.compilations.describe())
 """
@@ -149,15 +144,11 @@ def test_a_start_in_an_engine_process_builds_no_kernel(tmp_path: Path) -> None:
     ptxas there) builds none of the Triton kernels the package carries: flare's own kernels
     (its products, its KV store, its norm) were keyed at build as they are looked up here."""
     source = make_tiny_llama(tmp_path / "tiny", hidden=512, layers=2)
-    registry = Registry(str(tmp_path / "registry"), f"sqlite:///{tmp_path / 'index.db'}")
-    request = BuildRequest(
-        source=str(source), name="tiny", staging=tmp_path / "staging", hub_cache=tmp_path
-    )
-    digest = Build(request, registry, Quiet()).run().digest
-    registry.db.dispose()
+    _, files, _ = build_package(source, tmp_path, "tiny")
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    paths = json.dumps({digest: str(path) for digest, path in files.items()})
     done = subprocess.run(
-        [sys.executable, "-c", START_IN_ENGINE, str(tmp_path), str(digest)],
+        [sys.executable, "-c", START_IN_ENGINE, str(tmp_path), paths],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
