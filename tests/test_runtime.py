@@ -53,10 +53,13 @@ SENTENCE = "flare builds packages and the registry keeps blobs while servers ver
 Package = tuple[Manifest, dict[str, Path], Path]
 
 
-def build_package(source: Path, tmp: Path, name: str) -> Package:
-    """Build with the real pipeline; fetch every blob, verified, to local files."""
+def build_package(source: Path, tmp: Path, name: str, target: str = "none") -> Package:
+    """Build with the real pipeline (prepared for `target`: none, an eager package, by
+    default); fetch every blob, verified, to local files."""
     registry = Registry(str(tmp / "registry"), f"sqlite:///{tmp / 'index.db'}")
-    request = BuildRequest(source=str(source), name=name, staging=tmp / "staging", hub_cache=tmp)
+    request = BuildRequest(
+        source=str(source), name=name, staging=tmp / "staging", hub_cache=tmp, target=target
+    )
     digest = Build(request, registry, Quiet()).run().digest
     registry.db.dispose()
     manifest = read_manifest(registry.store, digest)

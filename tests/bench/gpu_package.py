@@ -104,12 +104,13 @@ def flare(env: dict[str, str], *args: str) -> str:
 
 
 def start_server(
-    env: dict[str, str], name: str, *options: str
+    env: dict[str, str], name: str, *options: str, under: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen[str], str, str, float]:
-    """`flare serve` until its ready line: the process, base URL, the line, seconds to it."""
+    """`flare serve` (run by `under`, a profiler's command, if given) until its ready line:
+    the process, base URL, the line, seconds to it."""
     started = time.perf_counter()
     server = subprocess.Popen(
-        [sys.executable, "-m", "flare", "serve", name, "--port", "0", *options],
+        [*under, sys.executable, "-m", "flare", "serve", name, "--port", "0", *options],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
