@@ -114,12 +114,20 @@ class StartReport:
         took = self.artifacts + self.warm_up
         return f"forward compiled at start in {took:.1f} s: {self.compilations.describe()}"
 
-    def timeline(self, pull: float, load: float, total: float, weights: WeightsRead | None) -> str:
+    def timeline(
+        self,
+        pull: float,
+        load: float,
+        total: float,
+        weights: WeightsRead | None,
+        launched: float | None = None,
+    ) -> str:
         """Start-to-ready with its parts, for the ready line: `load` is the runtime's whole
         load, of which the artifacts, warm-up and graph capture are shown apart; `weights`,
         the weights' own read (PackageFiles.tensors: the payloads' bytes over the time they
         took, the copies into the model included), says how near the disk's speed the load
-        came."""
+        came; `launched`, the seconds since the command began (its imports included), what
+        a user waits."""
         graphs = self.graphs.seconds if self.graphs is not None else 0.0
         rest = load - self.artifacts - self.warm_up - graphs
         parts = f"pull {pull:.2f} s, load {rest:.2f} s"
@@ -134,4 +142,5 @@ class StartReport:
                 f", CUDA graphs {self.graphs.seconds:.2f} s "
                 f"({len(sizes)} decode batch sizes, 1 to {sizes[-1]})"
             )
-        return f"ready in {total:.2f} s: {parts}; {self.describe()}"
+        since = f" ({launched:.2f} s after the command began)" if launched is not None else ""
+        return f"ready in {total:.2f} s{since}: {parts}; {self.describe()}"

@@ -130,11 +130,13 @@ class EngineProcess:
     first, so that its imports overlap the pull; `close` lets it go unused (an embedding
     package, a multi-rank one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | None = None) -> None:
+        """`device`: `--device` as given (None: CUDA where a GPU is), which the process
+        prepares while it waits (`prepare_device`)."""
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
         self.conn, theirs = context.Pipe()
         self.process = context.Process(
-            target=engine_main, args=(theirs,), name="flare-engine", daemon=True
+            target=engine_main, args=(theirs, device), name="flare-engine", daemon=True
         )
         self.process.start()
         theirs.close()
@@ -149,9 +151,10 @@ class EngineProcess:
             self.process.join()
 
 
-def engine_main(conn: Connection) -> None:
-    """The engine process: wait for what to load, load the runtime, say ready (or why not),
-    then serve the API process's commands until told to stop or until its pipe closes."""
+def engine_main(conn: Connection, device: str | None = None) -> None:
+    """The engine process: prepare `device`, wait for what to load, load the runtime, say
+    ready (or why not), then serve the API process's commands until told to stop or until
+    its pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Inductor, read at its import: nothing is compiled here once the package is loaded, and
@@ -163,6 +166,7 @@ def engine_main(conn: Connection) -> None:
     from flare.serve.cache import HostCache  # torch's import, with the signals ignored
     from flare.serve.runtime import GenerateRuntime, load_runtime
 
+    prepare_device(device)
     try:
         kind, spec = conn.recv()
     except (EOFError, OSError):  # the API process did not need an engine after all
@@ -182,6 +186,32 @@ def engine_main(conn: Connection) -> None:
     freeze_heap()
     conn.send(("ready", Ready.of(runtime)))
     _EngineSide(conn, runtime).serve()
+
+
+def prepare_device(asked: str | None) -> None:
+    """What loading any generating package on the device `--device` picks needs, begun while
+    the API process imports and pulls, on a thread of its own so that the load, once told
+    what to load, overlaps what is left of it: on CUDA the device's context, cuBLAS's handle
+    and FlashInfer's import, then Inductor's import (the compiled forward's loader), in the
+    order the load meets them. Each used to run after the package was known, on the path to
+    ready (docs/performance.md). What fails here the load meets again and reports, a device
+    the API process refuses included."""
+
+    def prepare() -> None:
+        import torch
+
+        from flare.serve import flashinfer_modules
+        from flare.serve.compat import choose_device
+
+        with contextlib.suppress(Exception):
+            if choose_device(asked) == "cuda":
+                torch.empty(1, device="cuda")  # the context: the first CUDA call makes it
+                torch.cuda.current_blas_handle()
+                if flashinfer_modules.available():
+                    import flashinfer  # noqa: F401
+            import torch._inductor.compile_fx
+
+    threading.Thread(target=prepare, name="flare-prepare", daemon=True).start()
 
 
 class _EngineSide:

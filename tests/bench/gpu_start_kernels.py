@@ -16,10 +16,12 @@ with the cache folder it looked in. It reports the ready line, and each kernel t
 built beside the build's launches of the same kernel: where the two agree on everything but
 the hash, the difference is in what Triton hashes besides them.
 
-With --py-spy BIN, the serve runs under py-spy (every process, idle samples included, 100 a
-second) until its ready line: its raw samples go to DIR/start_spy.txt, and the report gives
-each process's frames with the most samples (seconds on the stack): where start-to-ready
-goes, the API process's imports and the engine's trace, loads and captures apart.
+With --py-spy BIN, the package is served a second time under py-spy (every process, idle
+samples included, 100 a second) until its ready line: its trace (Chrome's trace format,
+timestamped) goes to DIR/start_spy.json, and the report gives each process's timeline: when
+each step of the start began and ended, in seconds from the command's launch, and its seconds
+on the stack (the API process's imports and pull, the engine's preparation, weights, trace
+and graph capture apart). The first start runs bare: its wall time is the figure.
 """
 
 from __future__ import annotations
@@ -89,24 +91,49 @@ def stop(server: subprocess.Popen[str], under: tuple[str, ...]) -> None:
     server.wait(timeout=120)
 
 
-def spied_seconds(raw: Path, count: int = 40) -> dict[str, list[list]]:
-    """py-spy's raw samples of a process tree as seconds per frame (line numbers kept: a
-    module's imports are told apart by them), per process, the most first."""
-    per: dict[str, dict[str, int]] = {}
-    for line in raw.read_text(errors="replace").splitlines():
-        stack, _, samples = line.rpartition(" ")
-        frames = stack.split(";")
-        processes = [frame for frame in frames if frame.startswith("process ")]
-        if not samples.isdigit() or not processes:
+MARKS = (
+    "serve_command", "pull_into_cache", "load_package_app", "start_engine", "run_server",
+    "engine_main", "prepare_device.<locals>.prepare", "_ConnectionBase.recv", "load_runtime",
+    "load_model", "make_attention", "FlashInferPagedAttention.__init__", "_start_forward",
+    "unpack", "warm_up", "DecodeGraphs.capture", "_find_and_load",
+)  # fmt: skip
+"""The frames whose spans the timeline gives: the start's steps, and imports."""
+
+
+def spy_timeline(trace: Path) -> dict[str, dict[str, list[float]]]:
+    """py-spy's Chrome trace of a process tree as each process's timeline: for each frame
+    of MARKS, [first begin, last end, seconds on the stack] (seconds from the trace's start,
+    outermost spans of each thread only), by begin."""
+    names: dict[int, str] = {}
+    spans: dict[int, dict[str, list[float]]] = {}
+    depth: dict[tuple[int, int, str], int] = {}
+    opened: dict[tuple[int, int, str], float] = {}
+    for event in json.loads(trace.read_text()):
+        pid, name, at = event["pid"], event["name"], event["ts"] / 1e6
+        if name.startswith("process "):  # a stack's roots: the process and its parents
+            if name.startswith(f"process {pid}:"):
+                names[pid] = name[:100]
             continue
-        counts = per.setdefault(processes[-1][:100], {})
-        for frame in {frame for frame in frames if not frame.startswith("process ")}:
-            counts[frame] = counts.get(frame, 0) + int(samples)
+        if name not in MARKS:
+            continue
+        key = (pid, event["tid"], name)
+        if event["ph"] == "B":
+            depth[key] = depth.get(key, 0) + 1
+            if depth[key] == 1:
+                opened[key] = at
+            continue
+        depth[key] = depth.get(key, 1) - 1
+        if depth[key] == 0 and key in opened:
+            span = spans.setdefault(pid, {}).setdefault(name, [opened[key], at, 0.0])
+            span[0], span[1] = min(span[0], opened[key]), max(span[1], at)
+            span[2] += at - opened.pop(key)
     return {
-        process: [[frame[:160], round(n / SPY_RATE, 2)] for frame, n in sorted(
-            counts.items(), key=lambda item: -item[1])[:count]]
-        for process, counts in per.items()
-    }  # fmt: skip
+        names.get(pid, str(pid)): {
+            name: [round(value, 2) for value in span]
+            for name, span in sorted(found.items(), key=lambda item: item[1][0])
+        }
+        for pid, found in spans.items()
+    }
 
 
 def main() -> int:
@@ -132,22 +159,25 @@ def main() -> int:
     flare(build_env, *command, "--max-concurrency", str(MAX_STREAMS), "--json")
     report: dict = {"shape": args.shape, "layers": args.layers}
     report["build_s"] = round(time.perf_counter() - started, 1)
-    raw = (args.out or work) / "start_spy.txt"
-    spy = (str(args.py_spy), "record", "--subprocesses", "--idle", "-r", str(SPY_RATE))
-    under = (*spy, "-f", "raw", "-o", str(raw), "--") if args.py_spy else ()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     server, _, ready, seconds = start_server(
-        env | {"KERNEL_LOG": str(work / "serve.jsonl")}, "s", "--device", args.device, under=under
+        env | {"KERNEL_LOG": str(work / "serve.jsonl")}, "s", "--device", args.device
     )
-    stop(server, under)
+    stop(server, ())
     built, at_build = kernels(work / "serve.jsonl"), kernels(work / "build.jsonl")
     report |= {"ready_line": ready, "ready_s": round(seconds, 2), "built_at_start": built}
     names = {entry["name"] for entry in built}
     report["same_kernels_at_build"] = [entry for entry in at_build if entry["name"] in names]
     report["kernels_at_build"] = len(at_build)
     if args.py_spy:
-        report["start_profile"] = spied_seconds(raw) if raw.exists() else "py-spy wrote nothing"
+        trace = (args.out or work) / "start_spy.json"
+        spy = (str(args.py_spy), "record", "--subprocesses", "--idle", "-r", str(SPY_RATE))
+        under = (*spy, "-f", "chrometrace", "-o", str(trace), "--")
+        server, _, spied, seconds = start_server(env, "s", "--device", args.device, under=under)
+        stop(server, under)
+        report |= {"spied_ready_line": spied, "spied_ready_s": round(seconds, 2)}
+        report["start_timeline"] = spy_timeline(trace) if trace.exists() else "no trace"
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
