@@ -189,29 +189,28 @@ def engine_main(conn: Connection, device: str | None = None) -> None:
 
 
 def prepare_device(asked: str | None) -> None:
-    """What loading any generating package on the device `--device` picks needs, begun while
-    the API process imports and pulls, on a thread of its own so that the load, once told
-    what to load, overlaps what is left of it: on CUDA the device's context, cuBLAS's handle
-    and FlashInfer's import, then Inductor's import (the compiled forward's loader), in the
-    order the load meets them. Each used to run after the package was known, on the path to
-    ready (docs/performance.md). What fails here the load meets again and reports, a device
-    the API process refuses included."""
+    """What loading any generating package on the device `--device` picks needs, done while
+    the API process imports and pulls (this process would only wait then): on CUDA the
+    device's context, cuBLAS's handle and FlashInfer's import; Inductor's import (the
+    compiled forward's loader). Each used to run after the package was known, on the path
+    to ready (docs/performance.md). Here, not on a thread beside the load: a module that
+    two threads import at once can be seen half-initialized, and such a thread slowed the
+    weights' read on the H200. A device the API process refuses is left for it to name."""
+    import torch
 
-    def prepare() -> None:
-        import torch
+    from flare.serve import flashinfer_modules
+    from flare.serve.compat import choose_device
 
-        from flare.serve import flashinfer_modules
-        from flare.serve.compat import choose_device
-
-        with contextlib.suppress(Exception):
-            if choose_device(asked) == "cuda":
-                torch.empty(1, device="cuda")  # the context: the first CUDA call makes it
-                torch.cuda.current_blas_handle()
-                if flashinfer_modules.available():
-                    import flashinfer  # noqa: F401
-            import torch._inductor.compile_fx
-
-    threading.Thread(target=prepare, name="flare-prepare", daemon=True).start()
+    try:
+        device = choose_device(asked)
+    except FlareError:
+        return
+    if device == "cuda":
+        torch.empty(1, device=device)  # the context: the first CUDA call makes it
+        torch.cuda.current_blas_handle()
+        if flashinfer_modules.available():
+            import flashinfer  # noqa: F401
+    import torch._inductor.compile_fx
 
 
 class _EngineSide:
