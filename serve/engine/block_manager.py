@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from flare.serve.engine.sequence import Sequence
@@ -29,12 +30,34 @@ def chain_hash(previous: bytes | None, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
+class Blocks:
+    """Every block by id, each made on its first use: a GPU's cache holds a few hundred
+    thousand blocks, whose objects made all at once took 0.16 s of a start for 220,000
+    blocks on a CPU here (0.36 s in a profiled start on the H200), and few of them are
+    handed out before the cache fills."""
+
+    def __init__(self, count: int) -> None:
+        self._made: list[Block | None] = [None] * count
+
+    def __getitem__(self, block_id: int) -> Block:
+        block = self._made[block_id]
+        if block is None:
+            block = self._made[block_id] = Block(block_id)
+        return block
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    def __iter__(self) -> Iterator[Block]:
+        return (self[block_id] for block_id in range(len(self._made)))
+
+
 class BlockManager:
     """Hands out KV blocks to sequences; reuses cached full blocks of equal prefixes."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = Blocks(num_blocks)
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.by_hash: dict[bytes, int] = {}
         self.prefix_hit_tokens = 0

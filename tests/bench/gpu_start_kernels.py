@@ -1,7 +1,8 @@
 """What a server's start builds: each Triton kernel `flare serve` compiles before its ready
 line, with its specialization, against those the build compiled.
 
-    python tests/bench/gpu_start_kernels.py [--shape 1b] [--layers 2] [--out DIR]
+    python tests/bench/gpu_start_kernels.py [--shape 1b] [--layers 2] [--starts N]
+        [--py-spy BIN] [--out DIR]
 
 A package carries the kernels its forward launches (the compile phase's Triton cache, packed);
 a start that builds one launched it otherwise than any launch at build: another constant, or
@@ -27,6 +28,7 @@ and graph capture apart). The first start runs bare: its wall time is the figure
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -136,11 +138,22 @@ def spy_timeline(trace: Path) -> dict[str, dict[str, list[float]]]:
     }
 
 
+def bytecode() -> str:
+    """Whether torch's modules load from bytecode, as after pip's install: a start that
+    compiles torch's sources takes twice as long (PYTHONDONTWRITEBYTECODE, a venv without
+    __pycache__ folders), and says nothing about flare."""
+    import torch
+
+    cached = Path(importlib.util.cache_from_source(torch.__file__)).exists()
+    return "cached" if cached else "compiled from source at every start"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="1b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--starts", type=int, default=1, help="bare starts, each timed")
     parser.add_argument("--py-spy", type=Path, default=None, help="profile the start with it")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -157,7 +170,7 @@ def main() -> int:
     build_env = env | {"KERNEL_LOG": str(work / "build.jsonl")}
     command = ("build", str(work / "ckpt"), "--name", "s", "--target", args.device)
     flare(build_env, *command, "--max-concurrency", str(MAX_STREAMS), "--json")
-    report: dict = {"shape": args.shape, "layers": args.layers}
+    report: dict = {"shape": args.shape, "layers": args.layers, "bytecode": bytecode()}
     report["build_s"] = round(time.perf_counter() - started, 1)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -167,6 +180,10 @@ def main() -> int:
     stop(server, ())
     built, at_build = kernels(work / "serve.jsonl"), kernels(work / "build.jsonl")
     report |= {"ready_line": ready, "ready_s": round(seconds, 2), "built_at_start": built}
+    for _ in range(args.starts - 1):  # the spread of a bare start
+        server, _, again, seconds = start_server(env, "s", "--device", args.device)
+        stop(server, ())
+        report.setdefault("again", []).append({"ready_line": again, "ready_s": round(seconds, 2)})
     names = {entry["name"] for entry in built}
     report["same_kernels_at_build"] = [entry for entry in at_build if entry["name"] in names]
     report["kernels_at_build"] = len(at_build)
