@@ -34,9 +34,10 @@ from flare.serve.models.llama import LlamaForCausalLM
 BLOCK = 16
 
 
-def build_model(device: torch.device) -> LlamaForCausalLM:
-    """Random bf16 weights (norms at 1), materialised on the GPU."""
-    config = llama_config(32_000, 2048, 8, 16, 8)
+def build_model(device: torch.device, heads: int = 16) -> LlamaForCausalLM:
+    """Random bf16 weights (norms at 1), materialised on the GPU; `heads` query heads over 8
+    KV heads (32: Llama-3.2-1B's grouping, whose decode runs on tensor cores)."""
+    config = llama_config(32_000, 2048, 8, heads, 8)
     config["max_position_embeddings"] = 4096
     with torch.device("meta"):
         model = LlamaForCausalLM(config)

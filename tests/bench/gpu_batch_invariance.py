@@ -1,0 +1,99 @@
+"""Which part of a step makes a request's greedy tokens depend on the requests beside it.
+
+The GPU-serving issue asks that 64 concurrent greedy requests give the tokens each gives
+alone; on the 1B shape 15 of 64 did (docs/performance.md). This script finds which of a
+step's parts breaks that, on one GPU, in-process: gpu_attention.py's Llama of serving shape
+with Llama-3.2-1B's heads (32 over 8 KV heads of 64: FlashInfer's tensor-core decode, whose
+plan takes `disable_split_kv`; random bf16 weights built on the GPU, no package), flare's
+own ModelRunner with FlashInfer, eager (the compiled forward launches the same products and
+attention). Each prompt is generated alone, then all together, with each of these turned on
+in turn, cumulatively:
+
+- `as served`: products of up to FEW_ROWS rows in `few_rows`, more in cuBLAS; FlashInfer
+  splitting a long KV as its plan sees fit; the prompts prefilled in one step together;
+- `few_rows to 64`: every decode product in `few_rows`, whose sums do not depend on the rows;
+- `no KV split`: FlashInfer's plans with `disable_split_kv` (the same reduction at any batch);
+- `prefill alone`: each prompt prefilled in a step of its own, then the decodes together.
+
+    python tests/bench/gpu_batch_invariance.py [--seqs 64] [--prompt 256] [--decode 32]
+
+Prints JSON: for each setting, how many requests' tokens (and first tokens) equal their
+tokens alone, and the together run's decode tokens/s (what the setting costs, eager).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from gpu_attention import _advance, _engine, _greedy, build_model
+
+from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention
+from flare.serve.models import linear
+
+SETTINGS = ("as served", "few_rows to 64", "no KV split", "prefill alone")
+
+
+def generate(model: Any, prompts: list[list[int]], decode: int, one_by_one: bool) -> tuple:
+    """Greedy tokens of every prompt, decoded together (prefilled together, or one prompt a
+    step), and the decode's tokens/s."""
+    runner, blocks, seqs = _engine("flashinfer", torch.bfloat16, model, prompts, decode)
+    groups = [[seq] for seq in seqs] if one_by_one else [seqs]
+    for group in groups:
+        _advance(group, _greedy(runner.run(group, prefill=True).logits), blocks)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(decode - 1):
+        _advance(seqs, _greedy(runner.run(seqs, prefill=False).logits), blocks)
+    torch.cuda.synchronize()
+    rate = len(seqs) * (decode - 1) / (time.perf_counter() - started)
+    return [seq.token_ids[len(p) :] for seq, p in zip(seqs, prompts, strict=True)], rate
+
+
+def apply(setting: str, plan_kinds: Callable[[Any], dict]) -> None:
+    """Turn on `setting` (the ones before it stay on)."""
+    if setting == "few_rows to 64":
+        linear.FEW_ROWS = linear.MOST_ROWS
+    elif setting == "no KV split":
+        FlashInferPagedAttention.plan_kinds = lambda self: (
+            plan_kinds(self)
+            | {  # type: ignore[method-assign]
+                "disable_split_kv": True
+            }
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=256, help="longest prompt (tokens)")
+    parser.add_argument("--decode", type=int, default=32, help="tokens generated per prompt")
+    args = parser.parse_args()
+    model = build_model(torch.device("cuda"), heads=32)
+    generator = torch.Generator().manual_seed(1)
+    lengths = torch.randint(args.prompt // 16, args.prompt + 1, (args.seqs,), generator=generator)
+    prompts = [torch.randint(0, 32_000, (int(n),), generator=generator).tolist() for n in lengths]
+    report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "seqs": args.seqs}
+    plan_kinds = FlashInferPagedAttention.plan_kinds
+    generate(model, prompts[:2], 2, False)  # FlashInfer's modules and Triton's kernels, built
+    for setting in SETTINGS:
+        apply(setting, plan_kinds)
+        one_by_one = setting == "prefill alone"
+        alone = [generate(model, [p], args.decode, one_by_one)[0][0] for p in prompts]
+        together, rate = generate(model, prompts, args.decode, one_by_one)
+        pairs = list(zip(together, alone, strict=True))
+        report[setting] = {
+            "equal_to_alone": sum(a == b for a, b in pairs),
+            "first_token_equal": sum(a[0] == b[0] for a, b in pairs),
+            "together_decode_tokens_per_s": round(rate, 1),
+        }
+        print(setting, report[setting], flush=True)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
