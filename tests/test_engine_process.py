@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from helpers import child_processes, spawned_children
 from test_serve import Server, build_home, flare_env
 from test_serve_faults import start_streams
@@ -165,5 +166,22 @@ def test_a_serve_that_fails_before_loading_leaves_no_process_behind(home: Path) 
         timeout=120,
     )
     assert done.returncode == 3, done.stderr
+    assert "Traceback" not in done.stderr
+    assert processes_of(home) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a CUDA device")
+def test_a_device_the_host_lacks_is_named_once_and_leaves_no_process_behind(home: Path) -> None:
+    """The engine process prepares the device `--device` asks for before it is told what to
+    load; one this host lacks is left for the API process to refuse, in one line."""
+    done = subprocess.run(
+        [sys.executable, "-m", "flare", "serve", "tiny", "--port", "0", "--device", "cuda"],
+        env=flare_env(home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 12, done.stderr
+    assert "no usable CUDA device" in done.stderr
     assert "Traceback" not in done.stderr
     assert processes_of(home) == []
