@@ -53,13 +53,19 @@ def build_model(device: torch.device, heads: int = 16) -> LlamaForCausalLM:
 
 
 def generate(
-    kind: str, model: LlamaForCausalLM, prompts: list[list[int]], decode: int
+    kind: str,
+    model: LlamaForCausalLM,
+    prompts: list[list[int]],
+    decode: int,
+    one_by_one: bool = False,
 ) -> tuple[list[list[int]], float, float]:
-    """Greedy tokens of every prompt, prefill seconds, decode seconds."""
+    """Greedy tokens of every prompt, prefill seconds, decode seconds: the prompts prefilled
+    in one step (or `one_by_one`, a step each), then decoded together."""
     runner, blocks, seqs = _engine(kind, torch.bfloat16, model, prompts, decode)
     torch.cuda.synchronize()
     started = time.perf_counter()
-    _advance(seqs, _greedy(runner.run(seqs, prefill=True).logits), blocks)
+    for group in [[seq] for seq in seqs] if one_by_one else [seqs]:
+        _advance(group, _greedy(runner.run(group, prefill=True).logits), blocks)
     torch.cuda.synchronize()
     prefilled = time.perf_counter()
     for _ in range(decode - 1):

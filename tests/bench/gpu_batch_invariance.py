@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from gpu_attention import _advance, _engine, _greedy, build_model
+from gpu_attention import build_model, generate
 
 from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention
 from flare.serve.models import linear
@@ -38,33 +37,16 @@ from flare.serve.models import linear
 SETTINGS = ("as served", "few_rows to 64", "no KV split", "prefill alone")
 
 
-def generate(model: Any, prompts: list[list[int]], decode: int, one_by_one: bool) -> tuple:
-    """Greedy tokens of every prompt, decoded together (prefilled together, or one prompt a
-    step), and the decode's tokens/s."""
-    runner, blocks, seqs = _engine("flashinfer", torch.bfloat16, model, prompts, decode)
-    groups = [[seq] for seq in seqs] if one_by_one else [seqs]
-    for group in groups:
-        _advance(group, _greedy(runner.run(group, prefill=True).logits), blocks)
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(decode - 1):
-        _advance(seqs, _greedy(runner.run(seqs, prefill=False).logits), blocks)
-    torch.cuda.synchronize()
-    rate = len(seqs) * (decode - 1) / (time.perf_counter() - started)
-    return [seq.token_ids[len(p) :] for seq, p in zip(seqs, prompts, strict=True)], rate
-
-
 def apply(setting: str, plan_kinds: Callable[[Any], dict]) -> None:
     """Turn on `setting` (the ones before it stay on)."""
     if setting == "few_rows to 64":
         linear.FEW_ROWS = linear.MOST_ROWS
     elif setting == "no KV split":
-        FlashInferPagedAttention.plan_kinds = lambda self: (
-            plan_kinds(self)
-            | {  # type: ignore[method-assign]
-                "disable_split_kv": True
-            }
-        )
+
+        def unsplit(self: FlashInferPagedAttention) -> dict:
+            return plan_kinds(self) | {"disable_split_kv": True}
+
+        FlashInferPagedAttention.plan_kinds = unsplit  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -79,12 +61,13 @@ def main() -> None:
     prompts = [torch.randint(0, 32_000, (int(n),), generator=generator).tolist() for n in lengths]
     report: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "seqs": args.seqs}
     plan_kinds = FlashInferPagedAttention.plan_kinds
-    generate(model, prompts[:2], 2, False)  # FlashInfer's modules and Triton's kernels, built
+    generate("flashinfer", model, prompts[:2], 2)  # FlashInfer's modules, Triton's kernels
     for setting in SETTINGS:
         apply(setting, plan_kinds)
         one_by_one = setting == "prefill alone"
-        alone = [generate(model, [p], args.decode, one_by_one)[0][0] for p in prompts]
-        together, rate = generate(model, prompts, args.decode, one_by_one)
+        alone = [generate("flashinfer", model, [p], args.decode)[0][0] for p in prompts]
+        together, _, decode_s = generate("flashinfer", model, prompts, args.decode, one_by_one)
+        rate = args.seqs * (args.decode - 1) / decode_s
         pairs = list(zip(together, alone, strict=True))
         report[setting] = {
             "equal_to_alone": sum(a == b for a, b in pairs),
