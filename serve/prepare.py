@@ -70,8 +70,10 @@ def compile_forward(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     if spec["target"] == "cuda":
         linear.build_kernels(spec["plan"]["decode_batch_sizes"], device)
     made = compilations.snapshot() - before
-    if made.compiled != 1 or made.traced != 1:
-        raise RuntimeError(f"the forward compiled into {made.describe()}, not one graph")
+    if made.compiled != forward.graphs or made.traced != forward.graphs:
+        raise RuntimeError(
+            f"the forward compiled into {made.describe()}, not {forward.graphs} graphs"
+        )
     modules = flashinfer_modules.collect(out, out / "inductor") if spec["target"] == "cuda" else []
     if decisions.backend == "flashinfer" and not modules:
         raise RuntimeError("FlashInfer built no kernel module in the compile's workspace")

@@ -160,7 +160,8 @@ def test_the_compiled_forward_is_loaded_not_compiled_and_matches_transformers(
     assert isinstance(runtime, GenerateRuntime)
     made = runtime.start_report.compilations
     assert runtime.start_report.forward == "package"
-    assert (made.compiled, made.kernels, made.loaded) == (0, 0, 1)
+    # the first layer's graph, the other layer's (one for every layer after the first), the logits'
+    assert (made.traced, made.compiled, made.kernels, made.loaded) == (3, 0, 0, 3)
     prompt = runtime.tokenizer.encode("the registry keeps packages on a shared folder").ids
     runtime.start()
     try:
@@ -213,7 +214,7 @@ def server(host: Host) -> Iterator[Server]:
 
 def test_ready_says_the_forward_came_from_the_package(server: Server) -> None:
     assert "forward compiled, from the package" in server.ready
-    assert "0 compiled (1 loaded), 0 kernels built" in server.ready
+    assert "3 traced, 0 compiled (3 loaded), 0 kernels built" in server.ready
     load = r"load [\d.]+ s \(weights [\d.]+ \w+ in [\d.]+ s at [\d.]+ \S+/s\)"
     began = r"\(([\d.]+) s after the command began\)"
     parts = rf"ready in ([\d.]+) s {began}: pull [\d.]+ s, {load}, artifacts"
@@ -272,7 +273,7 @@ def test_artifacts_for_another_toolchain_are_refused_unless_compiled_on_start(
     assert "--compile-on-start" in refused.stderr
     server = Server(host, "llamaforcausallm:other", "--compile-on-start")
     try:
-        compiled = r"forward compiled at start in [\d.]+ s: 1 traced, 1 compiled"
+        compiled = r"forward compiled at start in [\d.]+ s: 3 traced, 3 compiled"
         assert re.search(compiled, server.ready)
         assert re.search(r"[1-9]\d* kernels built \(\w+\.cpp", server.ready), server.ready
         reply = httpx.post(

@@ -41,7 +41,7 @@ def test_the_table_is_transformers_cos_and_sin_in_the_models_dtype(
         rotary = Rotary(config, 64)
     rotary = rotary.to_empty(device="cpu").to(dtype)
     positions = torch.tensor([0, 1, 7, 63, 64, 300, 511])
-    cos, sin = rotary(positions)
+    cos, sin = rotary(positions).unbind(1)
     reference = hf_llama.LlamaRotaryEmbedding(transformers.LlamaConfig(**config))
     want_cos, want_sin = reference(torch.zeros(1, dtype=dtype), positions[None, :])
     assert cos.dtype == sin.dtype == dtype

@@ -79,11 +79,11 @@ class PagedKVCache:
         return self.kv.device
 
     def store(
-        self, layer: int, slots: torch.Tensor, kv: torch.Tensor
+        self, layer: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write a step's new keys and values ([tokens, 2, kv_heads, dim]) into their slots;
-        the layer's whole K and V."""
-        cache = self.kv[layer]
+        """Write a step's new keys and values ([tokens, 2, kv_heads, dim]) into `layer`'s
+        slots; the layer's whole K and V."""
+        cache = self.kv[int(layer)]
         store_rows(cache, slots, kv)
         return cache[:, 0], cache[:, 1]
 
@@ -98,10 +98,12 @@ class AttentionBackend(Protocol):
     def plan(self, meta: AttentionMetadata) -> None:
         """Prepare for one step (index tensors, kernel plans); called before the forward."""
 
-    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """Store the new keys and values (`kv`: [tokens, 2, kv_heads, dim], keys first) in the
-        cache; attend q ([tokens, heads, dim]) over each sequence's cached context, causally;
-        return [tokens, heads, dim], contiguous."""
+    def attend(self, layer: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """For the layer whose index `layer` holds (a 0-d int64 tensor on the CPU, as model
+        code keeps it: a compiled layer's graph takes it as an input, so one graph serves
+        every layer), store the new keys and values (`kv`: [tokens, 2, kv_heads, dim], keys
+        first) in the cache; attend q ([tokens, heads, dim]) over each sequence's cached
+        context, causally; return [tokens, heads, dim], contiguous."""
 
 
 class TorchPagedAttention:
@@ -136,7 +138,7 @@ class TorchPagedAttention:
         offsets = torch.arange(meta.block_size, device=blocks.device)
         return (blocks[:, None] * meta.block_size + offsets).flatten()[:ctx]
 
-    def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         assert self._meta is not None, "plan() must run before attend()"
         k_cache, v_cache = self.cache.store(layer, self._meta.slot_mapping, kv)
         out = q.new_empty(q.shape)

@@ -23,7 +23,7 @@ turn: the same rows the split parts of a v1 package fill).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -87,9 +87,10 @@ class Rotary(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()  # each half of a row repeats the other
         return torch.stack((torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)), dim=1)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.table[positions]
-        return rows[:, 0], rows[:, 1]
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """[tokens, 2 (cos, sin), head_dim]: one tensor, so a compiled layer takes it as one
+        input rather than two views of a base (which its compiler would treat as aliases)."""
+        return self.table[positions]
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
@@ -115,10 +116,11 @@ def _llama3_frequencies(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.T
     return torch.where(medium, blended, scaled)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, dim]; cos, sin: [tokens, dim], in x's dtype as transformers casts
-    them (a bf16 model keeps bf16 queries and keys; the table is in the model's dtype)."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+def apply_rotary(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, dim]; rotary: [tokens, 2 (cos, sin), dim], in x's dtype as
+    transformers casts them (a bf16 model keeps bf16 queries and keys; the table is in the
+    model's dtype)."""
+    cos, sin = rotary[:, 0].to(x.dtype), rotary[:, 1].to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -148,7 +150,10 @@ class Attention(nn.Module):
         kv_heads = config.get("num_key_value_heads", heads)
         self.kv_heads = shard.part(kv_heads, "KV heads")
         self.head_dim = head_dim(config)
-        self.layer = layer
+        self.layer = torch.tensor(layer, device="cpu")
+        """The layer's index as a tensor (a plain attribute, which no move of the module
+        takes off the CPU): a compiled layer's graph takes it as an input, where an int
+        would be a constant it was traced for, so one graph serves every layer."""
         qkv_bias = bool(config.get("attention_bias")) or _is_qwen2(config)
         o_bias = bool(config.get("attention_bias")) and not _is_qwen2(config)
         kv = self.kv_heads * self.head_dim
@@ -162,7 +167,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor],
+        rotary: torch.Tensor,
         attention: AttentionBackend,
     ) -> torch.Tensor:
         """The new keys and values go to attention side by side, [tokens, 2, kv_heads, dim]:
@@ -174,7 +179,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=1)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        qkv = torch.cat((apply_rotary(q, *rotary), apply_rotary(k, *rotary), v), dim=1)
+        qkv = torch.cat((apply_rotary(q, rotary), apply_rotary(k, rotary), v), dim=1)
         q, kv = qkv.split((heads, 2 * kv_heads), dim=1)
         out = attention.attend(self.layer, q, kv.unflatten(1, (2, kv_heads)))
         return self.o_proj(out.reshape(-1, heads * self.head_dim))
@@ -216,7 +221,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        rotary: tuple[torch.Tensor, torch.Tensor],
+        rotary: torch.Tensor,
         attention: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the MLP's output, the residual stream before it): the next layer adds the two as
@@ -229,6 +234,13 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(hidden, rotary, attention)
         hidden, residual = self.post_attention_layernorm.add(x, residual)
         return self.mlp(hidden), residual
+
+
+LayerCall = Callable[
+    [DecoderLayer, torch.Tensor, torch.Tensor | None, torch.Tensor, AttentionBackend],
+    tuple[torch.Tensor, torch.Tensor],
+]
+"""Runs one decoder layer: (layer, x, residual, rotary rows, attention) → (x, residual)."""
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -289,12 +301,18 @@ class LlamaForCausalLM(nn.Module):
         self.context_length = context_length(config)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBackend,
+        run_layer: LayerCall = nn.Module.__call__,
     ) -> torch.Tensor:
+        """Hidden states [tokens, hidden]; each decoder layer runs through `run_layer`
+        (a compiled forward passes its compiled layer: one graph for every layer)."""
         rotary = self.model.rotary(positions)
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, rotary, attention)
+            x, residual = run_layer(layer, x, residual, rotary, attention)
         return self.model.norm.add(x, residual)[0] if residual is not None else self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
