@@ -130,6 +130,16 @@ def serve_command(
             "attention, one rank); --no-cuda-graphs runs every step's kernels one by one.",
         ),
     ] = True,
+    batch_invariant: Annotated[
+        bool,
+        typer.Option(
+            "--batch-invariant",
+            help="Give a greedy request the tokens it gets alone, whatever runs beside it or "
+            "before it: each prompt prefilled whole (no cached prefix) in a step of its own, "
+            "every decode product of up to 64 sequences summed in one order (one rank; costs "
+            "throughput: docs/performance.md).",
+        ),
+    ] = False,
     max_body_size: Annotated[
         str | None,
         typer.Option(
@@ -192,6 +202,10 @@ def serve_command(
         )
         plan = report.plan
         times["pulled"] = time.perf_counter()
+        if batch_invariant:
+            from flare.serve.runtime import refuse_invariance_over_ranks
+
+            refuse_invariance_over_ranks(plan.manifest.name, plan.manifest.ranks)
         with serving_leases(source, cache, plan, url_of(sock)):
             leader = None
             if plan.manifest.ranks > 1 or rendezvous is not None:
@@ -208,6 +222,7 @@ def serve_command(
                     "start" if compile_on_start else "package",
                     leader,
                     cuda_graphs,
+                    batch_invariant,
                     engine=engine,
                 )
             except BaseException as exc:

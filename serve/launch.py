@@ -116,6 +116,7 @@ def load_package_app(
     compile_mode: str = "package",
     leader: RankLeader | None = None,
     cuda_graphs: bool = True,
+    batch_invariant: bool = False,
     *,
     engine: EngineProcess,
 ) -> tuple[Runtime, FastAPI]:
@@ -141,6 +142,7 @@ def load_package_app(
         "compile_mode": compile_mode,
         "compile_root": cache.root / "compiled",
         "cuda_graphs": cuda_graphs,
+        "batch_invariant": batch_invariant,
     }
     package = PackageFiles(manifest, files, cache.quarantine_if_corrupt)
     runtime: Runtime

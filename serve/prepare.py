@@ -12,7 +12,7 @@ PYTHONHASHSEED so nothing ordered by a string hash differs between builds.
 tune writes the tuning records (serve/tuning.py). compile writes `forward.tar`, the Inductor
 cache folder of the compiled forward (serve/inductor_archive.py) with, on CUDA, the FlashInfer
 modules its attention built (serve/flashinfer_modules.py) and the Triton kernels of its
-few-row products at every decode batch size the package captures (serve/models/linear.py),
+few-row products at every block of rows they take (serve/models/linear.py),
 and `result.json`: the shapes it covers and what compiling it took. A failure prints one line
 on stderr and exits 1.
 """
@@ -68,7 +68,7 @@ def compile_forward(spec: dict[str, Any], out: Path) -> dict[str, Any]:
     before = compilations.snapshot()
     warm_up(runner, BlockManager(WARM_UP_BLOCKS, block))
     if spec["target"] == "cuda":
-        linear.build_kernels(spec["plan"]["decode_batch_sizes"], device)
+        linear.build_kernels(device)
     made = compilations.snapshot() - before
     if made.compiled != forward.graphs or made.traced != forward.graphs:
         raise RuntimeError(

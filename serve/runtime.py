@@ -46,7 +46,7 @@ from flare.serve.memory_plan import (
     memory_size,
     parameter_bytes,
 )
-from flare.serve.models import load_model, model_kind
+from flare.serve.models import linear, load_model, model_kind
 from flare.serve.models.files import PackageFiles, Quarantine
 from flare.serve.rank_group import LeaderRunner, RankGroup
 from flare.serve.truncation import Truncation
@@ -91,6 +91,7 @@ def load_runtime(
     group: RankGroup | None = None,
     on_group_failure: Callable[[BaseException], None] | None = None,
     cuda_graphs: bool = True,
+    batch_invariant: bool = False,
 ) -> Runtime:
     """Load the package's model on `device` (fp32 on CPU, bf16 elsewhere unless `dtype` or
     the package's tuning says otherwise); `files` maps every blob's digest text to a local
@@ -102,13 +103,16 @@ def load_runtime(
     `compile_mode` says (serve/artifacts.py; `compile_root` holds compiled forwards); it is
     warmed up before this returns, so nothing compiles after. On CUDA, with FlashInfer
     attention and one rank, decode steps then run from CUDA graphs captured before this
-    returns, unless `cuda_graphs` is off (serve/engine/cuda_graphs.py). The runtime's
-    `memory_plan` says what each part took.
+    returns, unless `cuda_graphs` is off (serve/engine/cuda_graphs.py). With
+    `batch_invariant`, a greedy request gets the tokens it gets alone, whatever runs beside it
+    (GenerateRuntime). The runtime's `memory_plan` says what each part took.
 
     A multi-rank package loads as rank zero of `group` (serve/rank_group.py): its part of
     the model, its forward eager (`on_group_failure` hears of a step the ranks could not
     run); the caller has started the other ranks."""
     world = group.world if group is not None else 1
+    if batch_invariant:
+        refuse_invariance_over_ranks(manifest.name, world)
     if manifest.ranks != world:
         raise InvalidInputError(
             f"package {manifest.name} is built for {manifest.ranks} ranks, not {world}",
@@ -131,10 +135,29 @@ def load_runtime(
         kv = _kv_sizing(model, target, dtype, memory_reserve, kv_cache_tokens)
         ranks = (group, on_group_failure) if group is not None else None
         runtime = GenerateRuntime(
-            package, model, target, dtype, kv.tokens, attention, prepared, ranks, cuda_graphs
+            package,
+            model,
+            target,
+            dtype,
+            kv.tokens,
+            attention,
+            prepared,
+            ranks,
+            cuda_graphs,
+            batch_invariant,
         )
     runtime.memory_plan = _memory_plan(runtime, model, target, dtype, kv, memory_reserve, world)
     return runtime
+
+
+def refuse_invariance_over_ranks(name: str, ranks: int) -> None:
+    """Batch-invariant serving is one process's: its row limit and scheduler are set where
+    the model runs, and tensor-parallel ranks each run products of their own."""
+    if ranks > 1:
+        raise InvalidInputError(
+            f"package {name} runs on {ranks} ranks: --batch-invariant serves one-rank packages",
+            "serve it without --batch-invariant",
+        )
 
 
 def default_dtype(device: torch.device, tuned: torch.dtype | None = None) -> torch.dtype:
@@ -239,7 +262,13 @@ class GenerateRuntime(Runtime):
         prepared: RuntimeArtifacts | None = None,
         ranks: tuple[RankGroup, Callable[[BaseException], None] | None] | None = None,
         cuda_graphs: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
+        """With `batch_invariant`, every product of a decode batch up to 64 sums each row as
+        it would alone (serve/models/linear.py), each prompt is prefilled whole (no cached
+        prefix reused) in a step of its own (the scheduler), so a greedy request's tokens do
+        not depend on the others, nor on what ran before."""
+        linear.keep_rows_invariant(batch_invariant)
         prepared = prepared or RuntimeArtifacts("eager", None, why="none was asked for")
         decisions = prepared.decisions
         block = decisions.page_size if decisions else BLOCK_SIZE
@@ -268,7 +297,7 @@ class GenerateRuntime(Runtime):
         super().__init__(package, min(model.context_length, usable * block))
         options = package.manifest.options
         max_concurrency = int(options.get("max_concurrency", MAX_NUM_SEQS))
-        blocks = BlockManager(usable, block)
+        blocks = BlockManager(usable, block, reuse_prefixes=not batch_invariant)
         if ranks is not None:
             group, on_failure = ranks
             runner: ModelRunner = LeaderRunner(
@@ -294,6 +323,7 @@ class GenerateRuntime(Runtime):
             blocks,
             max_concurrency,
             max(batched_tokens, self.context_length),
+            prefill_alone=batch_invariant,
         )
         self.engine = Engine(runner, scheduler, self.tokenizer, self.eos_token_ids)
         self._ready = compilations.snapshot()

@@ -18,6 +18,7 @@ import sys
 import tarfile
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +254,30 @@ def test_nothing_compiles_after_ready_under_a_mixed_load(server: Server) -> None
             job.join()
     assert server.metric("flare_generated_tokens_total") > 100
     assert server.metric("flare_compilations_total") == 0
+
+
+def test_a_batch_invariant_server_answers_each_request_as_it_answers_it_alone(host: Host) -> None:
+    """`--batch-invariant`: four greedy prompts asked together get the tokens each got alone,
+    and the second asking reused no cached prefix of the first (it computes each prompt
+    whole, as alone); nothing compiles for it."""
+    server = Server(host, "llamaforcausallm", "--batch-invariant")
+    body = {"model": "llamaforcausallm", "temperature": 0, "ignore_eos": True, "max_tokens": 12}
+    prompts = [[(5 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate([3, 17, 33, 40])]
+
+    def complete(prompt: list[int]) -> list[str]:
+        reply = httpx.post(f"{server.url}/completions", json=body | {"prompt": prompt}, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["text"]
+
+    try:
+        alone = [complete(prompt) for prompt in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(complete, prompts))
+        assert together == alone
+        assert server.metric("flare_kv_prefix_hit_tokens_total") == 0
+        assert server.metric("flare_compilations_total") == 0
+    finally:
+        server.stop()
 
 
 def test_artifacts_for_another_toolchain_are_refused_unless_compiled_on_start(

@@ -168,6 +168,28 @@ def test_admission_stops_at_the_token_budget_and_at_max_num_seqs() -> None:
     assert ids(s.waiting) == ids([c, d])
 
 
+def test_a_batch_invariant_scheduler_prefills_each_prompt_in_a_step_of_its_own() -> None:
+    """A prefill's products round by the tokens they hold: prompts prefilled together could
+    differ from each alone. Decodes still batch every running sequence."""
+    s = Scheduler(BlockManager(16, BLOCK), 8, 64, prefill_alone=True)
+    a, b, c = seq(range(5)), seq(range(10, 13)), seq(range(20, 26))
+    for x in (a, b, c):
+        s.add(x)
+    assert [ids(step(s).seqs) for _ in range(3)] == [ids([a]), ids([b]), ids([c])]
+    decode = step(s)
+    assert not decode.prefill and ids(decode.seqs) == ids([a, b, c])
+
+
+def test_a_manager_that_reuses_no_prefix_gives_a_repeated_prompt_fresh_blocks() -> None:
+    """Batch-invariant serving computes every prompt whole, as it would alone."""
+    blocks = BlockManager(16, BLOCK, reuse_prefixes=False)
+    first, again = seq(range(3 * BLOCK)), seq(range(3 * BLOCK))
+    blocks.allocate(first)
+    blocks.free_sequence(first)
+    blocks.allocate(again)
+    assert again.num_cached_tokens == 0 and blocks.prefix_hit_tokens == 0
+
+
 def test_a_cached_prefix_does_not_count_against_the_token_budget() -> None:
     s = scheduler(max_tokens=10)
     s.add(seq([*range(8), 1]))

@@ -152,6 +152,17 @@ def test_served_ranks_answer_as_the_one_rank_runtime(
     assert not any(alive(pid) for pid in pids)
 
 
+def test_batch_invariant_serving_of_a_multi_rank_package_is_refused_before_any_rank_starts(
+    home: Path,
+) -> None:
+    """Each rank runs products of its own: the one-rank promise cannot hold, so the server
+    says so in one line, before it starts a rank or loads a weight."""
+    done = flare(flare_env(home), "serve", "llama:r2", "--batch-invariant", "--port", "0", ok=False)
+    assert done.returncode == 4, done.stderr
+    assert "runs on 2 ranks: --batch-invariant serves one-rank packages" in done.stderr
+    assert "rank 1" not in done.stderr and "memory plan" not in done.stderr
+
+
 def _value(metrics: str, name: str) -> float:
     for line in metrics.splitlines():
         if line.startswith(f"{name} "):

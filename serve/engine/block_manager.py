@@ -55,8 +55,11 @@ class Blocks:
 class BlockManager:
     """Hands out KV blocks to sequences; reuses cached full blocks of equal prefixes."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, reuse_prefixes: bool = True) -> None:
         self.block_size = block_size
+        self.reuse_prefixes = reuse_prefixes
+        """Off where the server keeps batches invariant: a prompt that found its prefix
+        cached would compute only the rest, in products of other shapes than alone."""
         self.blocks = Blocks(num_blocks)
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.by_hash: dict[bytes, int] = {}
@@ -90,6 +93,8 @@ class BlockManager:
         last token to compute (the step needs that token's logits)."""
         found: list[int] = []
         previous = None
+        if not self.reuse_prefixes:
+            return found
         for index in range((len(seq) - 1) // self.block_size):
             previous = chain_hash(previous, seq.block_tokens(index, self.block_size))
             block_id = self.by_hash.get(previous)

@@ -1,7 +1,9 @@
 """Continuous batching: which sequences run in the next step.
 
 Each step either prefills newly admitted requests (as many as free blocks and the token
-budget allow) or decodes one token for every running one. When decoding runs out of blocks,
+budget allow; one, where the server keeps batches invariant: a prefill's products round by
+how many tokens they hold, so a prompt prefilled beside others could differ from itself
+alone) or decodes one token for every running one. When decoding runs out of blocks,
 the newest running sequence is preempted: its blocks are freed and it goes back to the front
 of the queue to be recomputed later (its full blocks usually survive in the prefix cache).
 """
@@ -22,10 +24,18 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        prefill_alone: bool = False,
+    ) -> None:
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        self.prefill_alone = prefill_alone
+        """Prefill one sequence a step (batch-invariant serving)."""
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.preemptions = 0
@@ -49,7 +59,7 @@ class Scheduler:
         tokens = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            over_budget = tokens + len(seq) > self.max_batched_tokens
+            over_budget = tokens + len(seq) > self.max_batched_tokens or self.prefill_alone
             if (admitted and over_budget) or not self.blocks.can_allocate(seq):
                 break
             self.blocks.allocate(seq)

@@ -16,7 +16,8 @@ batch of 1 or of 16: what batch-invariant decoding needs of its products.
 
 `linear(x, weight, bias)` is the one entry the model uses: an opaque `flare::linear`
 operator on CUDA (a compiled forward keeps one graph for every row count, and the operator
-decides per call: `few_rows` up to FEW_ROWS rows, cuBLAS above), plain `F.linear` elsewhere.
+decides per call: `few_rows` up to FEW_ROWS rows, or MOST_ROWS where the server keeps
+batches invariant (`keep_rows_invariant`), cuBLAS above), plain `F.linear` elsewhere.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ prefills. A whole step's products took 0.97x cuBLAS's time at 1 and 16 rows, 1.0
 (tests/bench/gpu_linear.py --chain, docs/performance.md); more rows are cuBLAS's."""
 MOST_ROWS = 64
 """The most rows `few_rows` itself takes (a program holds them all)."""
+_row_limit = FEW_ROWS
+"""The most rows `flare::linear` gives `few_rows` in this process (`keep_rows_invariant`)."""
 SHARED_BYTES = 200 * 1024
 """Shared memory a program's pipeline may take (an H100's or H200's 227 KB, less Triton's own)."""
 HALF = (torch.bfloat16, torch.float16)
@@ -150,7 +153,7 @@ if triton is not None:
         """x @ weight.T: `few_rows` for few half-precision rows, cuBLAS otherwise. Opaque to
         a compiled forward, which has one graph for every row count; a captured decode graph
         records the kernel its size chose."""
-        if x.shape[0] > FEW_ROWS or x.dtype not in HALF or x.shape[0] == 0:
+        if x.shape[0] > _row_limit or x.dtype not in HALF or x.shape[0] == 0:
             return F.linear(x, weight)
         _products.add((weight.shape[0], weight.shape[1], weight.dtype))
         return few_rows(x.contiguous(), weight)
@@ -160,19 +163,30 @@ if triton is not None:
         return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+def keep_rows_invariant(on: bool) -> None:
+    """Give `few_rows` every product of up to MOST_ROWS rows (on), or of up to FEW_ROWS
+    (off: the fastest). `few_rows` sums a row in the same order at any row count and cuBLAS
+    does not, so with this on a decode batch of up to 64 sequences gives each the bits it
+    gets alone; a step's products then take 1.04-1.09x cuBLAS's time at 64 rows. Process-wide,
+    as a process serves one model: its runtime sets it either way as it loads."""
+    global _row_limit
+    _row_limit = MOST_ROWS if on else FEW_ROWS
+
+
 _products: set[tuple[int, int, torch.dtype]] = set()
 """(n, k, dtype) of each weight `flare::linear` gave to `few_rows` in this process."""
 
 
-def build_kernels(rows: list[int], device: torch.device) -> None:
-    """Launch `few_rows` for every product this process ran (a warm-up runs them all) at each
-    row count, so Triton compiles each kernel they need now, into its cache folder (which a
-    package's compile phase packs), not at a server's start."""
+def build_kernels(device: torch.device) -> None:
+    """Launch `few_rows` for every product this process ran (a warm-up runs them all) at
+    each block of rows it may hold (16, 32, 64: a batch-invariant server gives it up to
+    MOST_ROWS, decodes and short prefills alike), so Triton compiles every kernel they need
+    now, into its cache folder (which a package's compile phase packs), not at a start."""
+    counts = sorted({block_rows(rows) for rows in range(1, MOST_ROWS + 1)})
     for n, k, dtype in sorted(_products, key=str):
         weight = torch.zeros((n, k), dtype=dtype, device=device)
-        for count in rows:
-            if count <= FEW_ROWS:
-                few_rows(torch.zeros((count, k), dtype=dtype, device=device), weight)
+        for count in counts:
+            few_rows(torch.zeros((count, k), dtype=dtype, device=device), weight)
 
 
 _counts: dict[torch.device, torch.Tensor] = {}

@@ -40,7 +40,7 @@ SETTINGS = ("as served", "few_rows to 64", "no KV split", "prefill alone")
 def apply(setting: str, plan_kinds: Callable[[Any], dict]) -> None:
     """Turn on `setting` (the ones before it stay on)."""
     if setting == "few_rows to 64":
-        linear.FEW_ROWS = linear.MOST_ROWS
+        linear.keep_rows_invariant(True)
     elif setting == "no KV split":
 
         def unsplit(self: FlashInferPagedAttention) -> dict:

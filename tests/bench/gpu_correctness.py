@@ -8,7 +8,8 @@ The shape's checkpoint is gpu_serving.py's (random bf16 Llama weights, the real 
 word-level tokenizer), built by `flare build --target TARGET` (default: the device), then pulled
 and loaded in this process as `flare serve` loads it (runtime_package.py), in bf16, once per
 decode path: CUDA graphs and eager where this flare's `load_runtime` has the `cuda_graphs`
-switch, eager alone before. Per path:
+switch, eager alone before, and CUDA graphs served batch-invariant (`batch_invariant`, what
+`flare serve --batch-invariant` asks). Per path:
 
 - logits: a 128-token prompt prefilled, then one decode step on the truth's next token (on the
   graph path the step replays a graph), each through the runner the engine steps
@@ -66,6 +67,8 @@ from flare.serve.runtime import GenerateRuntime, Runtime, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: the suite's checkpoints
 
+INVARIANT = ("batch_invariant", {"cuda_graphs": True, "batch_invariant": True})
+"""The CUDA-graph path served with `--batch-invariant`: what batch64 must pass there."""
 LOGITS_GOAL = 2e-2
 LOGITS_PROMPT = 128
 GREEDY_PROMPTS = 8
@@ -408,7 +411,7 @@ def shape_checks(
     prompts = [random_ids(shape["vocab"], GREEDY_PROMPT, 10 + i) for i in range(GREEDY_PROMPTS)]
     continuations = refs.continuations(prompts, GREEDY_TOKENS)
     refs.close()
-    for path, options in PATHS:
+    for path, options in (*PATHS, INVARIANT):
         out[path] = guarded(path_checks, name, args.device, options, logits_ref, continuations)
         free_memory()
     return out
