@@ -138,7 +138,7 @@ class CompiledForward:
         self._operator = OperatorAttention()
         isolate = "isolate_recompiles" in inspect.signature(torch.compile).parameters
         options = {"isolate_recompiles": True} if isolate else {}  # torch 2.13 and later
-        self._layer = torch.compile(self._run_layer, fullgraph=True, **options)
+        self._layer = torch.compile(_run_layer, fullgraph=True, **options)
         self._logits = torch.compile(self._last_logits, fullgraph=True, **options)
 
     @property
@@ -168,18 +168,14 @@ class CompiledForward:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layer(layer, *_unbacked(x, residual, rotary), attention)
 
-    @staticmethod
-    def _run_layer(
-        layer: torch.nn.Module,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        rotary: torch.Tensor,
-        attention: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return layer(x, residual, rotary, attention)
-
     def _last_logits(self, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden[last])
+
+
+def _run_layer(layer: torch.nn.Module, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's call, as the layers' graph is traced from it: the layer is an input
+    like the tensors, so every layer of the same shapes runs the one graph."""
+    return layer(*inputs)
 
 
 def _unbacked(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
