@@ -6,8 +6,8 @@ ready"). This script times the first step of flare's forward under torch.compile
 Dynamo's `eager` backend (the trace alone: no Inductor, nothing compiled), for Llamas that
 differ only in their layer count, each in a fresh process: `whole` traces the step as the
 server does; `regional` traces one decoder layer's call and reuses it for every layer after
-the first (with Dynamo's `allow_unspec_int_on_nn_module`, so the layer index each layer's
-attention holds is an input, not a constant a graph is made for).
+the first (each layer's attention holds its index as a tensor, an input of the graph, as
+serve/compiled.py's CompiledForward compiles it; the first layer runs uncompiled here).
 
     python tests/bench/bench_trace_layers.py [--layers 1 2 16 32]
 
@@ -57,7 +57,6 @@ if sys.argv[2] == "whole":
         with bound_attention(bound):
             return step(ids, pos, last)
 else:
-    torch._dynamo.config.allow_unspec_int_on_nn_module = True
     run_layer = torch.compile(
         lambda layer, x, residual, rotary: layer(x, residual, rotary, operator),
         backend="eager",
@@ -69,7 +68,7 @@ else:
             rotary = model.model.rotary(pos)
             x, residual = layers[0](model.model.embed_tokens(ids), None, rotary, operator)
             for layer in layers[1:]:
-                for tensor in (x, residual, *rotary):
+                for tensor in (x, residual, rotary):
                     torch._dynamo.decorators.mark_unbacked(tensor, 0)
                 x, residual = run_layer(layer, x, residual, rotary)
             return model.compute_logits(model.model.norm.add(x, residual)[0][last])
