@@ -60,7 +60,7 @@ import torch
 from gpu_package import publish, require
 from gpu_serving import SHAPES, make_checkpoint
 from lockstep import Lockstep
-from runtime_package import PATHS, build, load, scratch_home
+from runtime_package import PATHS, build, exact_float32, load, scratch_home
 
 from flare.serve.engine.sequence import Sequence
 from flare.serve.runtime import GenerateRuntime, Runtime, SamplingParams
@@ -405,12 +405,13 @@ def shape_checks(
     make_checkpoint(folder, shape, args.device)
     concurrency = ("--max-concurrency", str(BATCH))  # the 64 requests decode in one batch
     out: dict[str, Any] = {"build_phases": build(env, folder, name, args.target, *concurrency)}
-    refs = References(folder, torch.bfloat16, args.device)
-    prompt = random_ids(shape["vocab"], LOGITS_PROMPT, 1)
-    logits_ref = prompt_logits(refs, prompt)
-    prompts = [random_ids(shape["vocab"], GREEDY_PROMPT, 10 + i) for i in range(GREEDY_PROMPTS)]
-    continuations = refs.continuations(prompts, GREEDY_TOKENS)
-    refs.close()
+    with exact_float32():
+        refs = References(folder, torch.bfloat16, args.device)
+        prompt = random_ids(shape["vocab"], LOGITS_PROMPT, 1)
+        logits_ref = prompt_logits(refs, prompt)
+        prompts = [random_ids(shape["vocab"], GREEDY_PROMPT, 10 + i) for i in range(GREEDY_PROMPTS)]
+        continuations = refs.continuations(prompts, GREEDY_TOKENS)
+        refs.close()
     for path, options in (*PATHS, INVARIANT):
         out[path] = guarded(path_checks, name, args.device, options, logits_ref, continuations)
         free_memory()
@@ -465,10 +466,11 @@ def suite_arch(args: argparse.Namespace, env: dict[str, str], folder: Path, name
         runtime = load(name, args.device, kv_cache_tokens=KV_CACHE_TOKENS, **options)
         assert isinstance(runtime, GenerateRuntime)
         if continuations is None:
-            refs = References(folder, runtime.dtype, args.device)
-            prompts = [runtime.tokenizer.encode(text).ids for text in SUITE_PROMPTS]
-            continuations = refs.continuations(prompts, GREEDY_TOKENS)
-            refs.close()
+            with exact_float32():
+                refs = References(folder, runtime.dtype, args.device)
+                prompts = [runtime.tokenizer.encode(text).ids for text in SUITE_PROMPTS]
+                continuations = refs.continuations(prompts, GREEDY_TOKENS)
+                refs.close()
         runtime.start()
         try:
             out[path] = guarded(greedy_check, runtime, continuations)
@@ -519,8 +521,6 @@ def main() -> int:
     args.target = args.target or args.device
     require("transformers")
     os.environ["HF_HUB_OFFLINE"] = "1"
-    torch.backends.cuda.matmul.allow_tf32 = False  # float32 references are the truth
-    torch.backends.cudnn.allow_tf32 = False
     import transformers
 
     report: dict[str, Any] = {

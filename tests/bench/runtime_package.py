@@ -32,6 +32,27 @@ without CUDA graphs: its forward is still the package's compiled one where the p
 
 
 @contextmanager
+def exact_float32() -> Iterator[None]:
+    """Float32 matrix products without TF32 inside the block (references that are the truth),
+    the process's settings restored after: torch's matmul precision is part of Inductor's cache
+    keys, so a runtime loaded with it changed misses the package's compiled graphs and
+    compiles them again (gpu_correctness.py's first path did, 2026-12-03)."""
+    import torch
+
+    backends = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    field = "fp32_precision" if hasattr(torch.backends.cuda.matmul, "fp32_precision") else None
+    saved = [(backend, field or "allow_tf32") for backend in backends]
+    values = [getattr(backend, name) for backend, name in saved]
+    for backend in backends:
+        backend.allow_tf32 = False
+    try:
+        yield
+    finally:
+        for (backend, name), value in zip(saved, values, strict=True):
+            setattr(backend, name, value)
+
+
+@contextmanager
 def scratch_home(prefix: str) -> Iterator[tuple[Path, dict[str, str]]]:
     """A work folder that is this process's flare home, with a signing key, removed after (a
     1B checkpoint and its package take GBs of the device's disk): the folder, and the
