@@ -179,6 +179,59 @@ def test_the_compiled_forward_is_loaded_not_compiled_and_matches_transformers(
     assert ours == out[0, len(prompt) :].tolist()
 
 
+def test_a_deeper_model_compiles_to_the_same_three_graphs_and_answers_as_eager(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six decoder layers: the warm-up traces three graphs (the first layer's, the one every
+    later layer runs, the logits'), not one per layer, and greedy decoding through them gives
+    the eager forward's tokens; varying batches compile nothing more."""
+    from flare.build.tiny import llama_config
+    from flare.serve import compilations
+    from flare.serve.compiled import CompiledForward, warm_up
+    from flare.serve.engine.attention_choice import make_attention
+    from flare.serve.engine.block_manager import BlockManager
+    from flare.serve.engine.runner import EagerForward, ModelRunner
+    from flare.serve.engine.sequence import Sequence
+    from flare.serve.models.llama import LlamaForCausalLM
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(300, 64, 6, 4, 2))
+    model = model.to_empty(device="cpu").float().eval()
+    for param in model.parameters():
+        torch.nn.init.normal_(param, 0.0, 0.1)
+    cpu = torch.device("cpu")
+    _, attention = make_attention("torch", model.attention_spec, 64 * 16, 16, torch.float32, cpu)
+    blocks = BlockManager(64, 16)
+    forward = CompiledForward(model)
+    before = compilations.snapshot()
+    warm_up(ModelRunner(model, attention, 16, cpu, forward), blocks)
+    made = compilations.snapshot() - before
+    assert forward.graphs == made.traced == made.compiled == 3
+
+    def greedy(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int]]:
+        seqs = [Sequence(p, SamplingParams(temperature=0), max_tokens=8) for p in prompts]
+        for seq in seqs:
+            blocks.allocate(seq)
+        for step in range(8):
+            tokens = runner.run(seqs, prefill=step == 0).logits.argmax(-1).tolist()
+            for seq, token in zip(seqs, tokens, strict=True):
+                seq.append(token)
+                blocks.append_slot(seq)
+        for seq in seqs:
+            blocks.free_sequence(seq)
+            blocks.forget(seq)
+        return [seq.token_ids[len(p) :] for seq, p in zip(seqs, prompts, strict=True)]
+
+    prompts = [[5, 6, 7], [9] * 20, list(range(1, 40))]
+    compiled = ModelRunner(model, attention, 16, cpu, forward)
+    eager = ModelRunner(model, attention, 16, cpu, EagerForward(model))
+    assert greedy(compiled, prompts) == greedy(eager, prompts)
+    assert greedy(compiled, prompts[:1]) == greedy(eager, prompts[:1])
+    assert (compilations.snapshot() - before).traced == 3
+
+
 class Server:
     """A `flare serve` process: its ready line, base URL and metrics."""
 
