@@ -103,6 +103,24 @@ def test_linear_on_cuda_is_cublas_beyond_few_rows_and_adds_the_bias() -> None:
 
 
 @needs_cuda
+def test_kept_invariant_a_row_gets_its_bits_alone_in_any_batch_up_to_most_rows() -> None:
+    """`--batch-invariant`'s products: with the rows kept invariant, every product of up to
+    MOST_ROWS rows is `few_rows`', so each row of a batch of 40 equals that row alone, bit for
+    bit; past the limit again (off), 40 rows are cuBLAS's."""
+    from flare.serve.models import linear as module
+
+    x, weight = _operands(40, 2048, 2048, seed=11)
+    module.keep_rows_invariant(True)
+    try:
+        together = linear(x, weight, None)
+        alone = torch.cat([linear(x[i : i + 1], weight, None) for i in range(40)])
+        assert torch.equal(together, alone)
+    finally:
+        module.keep_rows_invariant(False)
+    assert torch.equal(linear(x, weight, None), F.linear(x, weight))
+
+
+@needs_cuda
 def test_a_compiled_forward_takes_any_row_count_through_one_graph() -> None:
     """The operator is opaque to torch.compile: one graph with an unbacked row count runs a
     decode's few rows through `few_rows` and a prefill's many through cuBLAS."""
