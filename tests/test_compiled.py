@@ -317,7 +317,7 @@ def test_a_batch_invariant_server_answers_each_request_as_it_answers_it_alone(ho
     body = {"model": "llamaforcausallm", "temperature": 0, "ignore_eos": True, "max_tokens": 12}
     prompts = [[(5 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate([3, 17, 33, 40])]
 
-    def complete(prompt: list[int]) -> list[str]:
+    def complete(prompt: list[int]) -> str:
         reply = httpx.post(f"{server.url}/completions", json=body | {"prompt": prompt}, timeout=120)
         assert reply.status_code == 200, reply.text
         return reply.json()["choices"][0]["text"]

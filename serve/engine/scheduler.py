@@ -59,8 +59,8 @@ class Scheduler:
         tokens = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            over_budget = tokens + len(seq) > self.max_batched_tokens or self.prefill_alone
-            if (admitted and over_budget) or not self.blocks.can_allocate(seq):
+            full = self.prefill_alone or tokens + len(seq) > self.max_batched_tokens
+            if (admitted and full) or not self.blocks.can_allocate(seq):
                 break
             self.blocks.allocate(seq)
             tokens += len(seq) - seq.num_cached_tokens

@@ -40,15 +40,14 @@ def exact_float32() -> Iterator[None]:
     import torch
 
     backends = (torch.backends.cuda.matmul, torch.backends.cudnn)
-    field = "fp32_precision" if hasattr(torch.backends.cuda.matmul, "fp32_precision") else None
-    saved = [(backend, field or "allow_tf32") for backend in backends]
-    values = [getattr(backend, name) for backend, name in saved]
+    name = "fp32_precision" if hasattr(backends[0], "fp32_precision") else "allow_tf32"
+    saved = [getattr(backend, name) for backend in backends]
     for backend in backends:
         backend.allow_tf32 = False
     try:
         yield
     finally:
-        for (backend, name), value in zip(saved, values, strict=True):
+        for backend, value in zip(backends, saved, strict=True):
             setattr(backend, name, value)
 
 
