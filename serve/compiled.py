@@ -54,12 +54,19 @@ def settings() -> None:
     with them, 0.9-1.2x without: docs/performance.md), and no thread count is compiled in;
     ISA detection from the CPU's flags (not by building a probe per ISA, 17 s here); a fixed
     -march per ISA level; no precompiled headers (with them, loading a kernel runs the
-    preprocessor to key the header); and the compiler hook below."""
+    preprocessor to key the header); and the compiler hook below.
+
+    And Dynamo's: no automatic dynamic shapes. The forward's graphs are dynamic in exactly
+    the dimensions it marks (tokens, rows); Dynamo would otherwise make any other dimension
+    dynamic once a second model of other sizes traced the same code in the process (a
+    layer's rotary rows, which only the attention operator reads, after a model of another
+    head size), a graph the package does not hold."""
     global _installed
     if _installed:
         return
     import torch._inductor.config as inductor
 
+    torch._dynamo.config.automatic_dynamic_shapes = False
     inductor.cpp.threads = 1
     inductor.cpp.vec_isa_ok = True
     if hasattr(inductor.cpp, "march"):  # not in torch 2.11: -march=native there, CPU only

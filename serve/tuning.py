@@ -126,7 +126,8 @@ def _time_decode(
     backend.plan(meta)
     q = torch.randn(batch, spec.num_heads, spec.head_dim, dtype=dtype, device=device)
     kv = torch.randn(batch, 2, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
-    return _timed(lambda: backend.attend(torch.tensor(0), q, kv), device)
+    rotary = torch.randn(batch, 2, spec.head_dim, dtype=dtype, device=device)
+    return _timed(lambda: backend.attend(torch.tensor(0), q, kv, rotary), device)
 
 
 def _timed(action: Callable[[], object], device: torch.device) -> float:

@@ -99,15 +99,17 @@ def test_flashinfer_attends_as_the_reference_does_over_steps() -> None:
         reference.plan(meta)
         tokens = sum(queries)
         for layer in range(SPEC.num_layers):
-            q, kv = (
+            q, kv, rotary = (
                 torch.randn(shape, generator=generator, device=cuda).to(dtype)
                 for shape in (
                     (tokens, SPEC.num_heads, SPEC.head_dim),
                     (tokens, 2, SPEC.num_kv_heads, SPEC.head_dim),
+                    (tokens, 2, SPEC.head_dim),
                 )
             )
             index = torch.tensor(layer)
-            got, want = fast.attend(index, q, kv), reference.attend(index, q, kv)
+            got = fast.attend(index, q, kv, rotary)
+            want = reference.attend(index, q, kv, rotary)
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     assert name == "flashinfer"
 

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from flare.serve.engine.cache_store import store_rows
+from flare.serve.engine.cache_store import rotate_and_store
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,8 @@ class AttentionMetadata:
 
 class PagedKVCache:
     """Every layer's keys and values in one tensor, [layers, slots, 2, kv_heads, head_dim],
-    slot = block * block_size + offset: a step's new keys and values are stored by one
-    scatter a layer (the model hands them over side by side; cache_store.py), and each
+    slot = block * block_size + offset: a step's new keys are rotated and stored with its
+    values in one pass a layer, which also rotates its queries (cache_store.py), and each
     layer's K and V are strided views, [slots, kv_heads, head_dim], the layout both backends
     read (FlashInfer's "NHD" pages as a view; its kernels take the strides)."""
 
@@ -79,13 +79,19 @@ class PagedKVCache:
         return self.kv.device
 
     def store(
-        self, layer: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write a step's new keys and values ([tokens, 2, kv_heads, dim]) into `layer`'s
-        slots; the layer's whole K and V."""
+        self,
+        layer: torch.Tensor,
+        slots: torch.Tensor,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        rotary: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotate a step's queries and new keys, write its keys and values into `layer`'s
+        slots (`q`, `kv` and `rotary` as `AttentionBackend.attend` takes them): the rotated
+        queries, and the layer's whole K and V."""
         cache = self.kv[int(layer)]
-        store_rows(cache, slots, kv)
-        return cache[:, 0], cache[:, 1]
+        q = rotate_and_store(cache, slots, q, kv, rotary)
+        return q, cache[:, 0], cache[:, 1]
 
 
 class AttentionBackend(Protocol):
@@ -98,12 +104,16 @@ class AttentionBackend(Protocol):
     def plan(self, meta: AttentionMetadata) -> None:
         """Prepare for one step (index tensors, kernel plans); called before the forward."""
 
-    def attend(self, layer: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, rotary: torch.Tensor
+    ) -> torch.Tensor:
         """For the layer whose index `layer` holds (a 0-d int64 tensor on the CPU, as model
         code keeps it: a compiled layer's graph takes it as an input, so one graph serves
-        every layer), store the new keys and values (`kv`: [tokens, 2, kv_heads, dim], keys
-        first) in the cache; attend q ([tokens, heads, dim]) over each sequence's cached
-        context, causally; return [tokens, heads, dim], contiguous."""
+        every layer): rotate the queries (`q`: [tokens, heads, dim]) and the new keys by their
+        positions' `rotary` rows ([tokens, 2 (cos, sin), dim]), store the keys and values
+        (`kv`: [tokens, 2, kv_heads, dim], keys first) in the cache, and attend the queries
+        over each sequence's cached context, causally; return [tokens, heads, dim],
+        contiguous."""
 
 
 class TorchPagedAttention:
@@ -138,9 +148,11 @@ class TorchPagedAttention:
         offsets = torch.arange(meta.block_size, device=blocks.device)
         return (blocks[:, None] * meta.block_size + offsets).flatten()[:ctx]
 
-    def attend(self, layer: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, rotary: torch.Tensor
+    ) -> torch.Tensor:
         assert self._meta is not None, "plan() must run before attend()"
-        k_cache, v_cache = self.cache.store(layer, self._meta.slot_mapping, kv)
+        q, k_cache, v_cache = self.cache.store(layer, self._meta.slot_mapping, q, kv, rotary)
         out = q.new_empty(q.shape)
         for start, end, slots, mask in self._gathers:
             out[start:end] = self._one(q[start:end], k_cache[slots], v_cache[slots], mask)

@@ -22,16 +22,20 @@ _bound = threading.local()
 
 
 @torch.library.custom_op("flare::paged_attention", mutates_args=())
-def paged_attention(q: torch.Tensor, kv: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, kv: torch.Tensor, rotary: torch.Tensor, layer: torch.Tensor
+) -> torch.Tensor:
     """The bound backend's `attend` for one layer (q [tokens, heads, dim] out, contiguous)."""
     backend: AttentionBackend | None = getattr(_bound, "backend", None)
     if backend is None:
         raise RuntimeError("flare::paged_attention ran outside bound_attention()")
-    return backend.attend(layer, q, kv)
+    return backend.attend(layer, q, kv, rotary)
 
 
 @paged_attention.register_fake
-def _shape(q: torch.Tensor, kv: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+def _shape(
+    q: torch.Tensor, kv: torch.Tensor, rotary: torch.Tensor, layer: torch.Tensor
+) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
@@ -40,8 +44,10 @@ class OperatorAttention:
     the operator, whichever backend is bound when the graph runs (the runner plans that
     backend before the step, as it does for an eager forward)."""
 
-    def attend(self, layer: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        return torch.ops.flare.paged_attention(q, kv, layer)
+    def attend(
+        self, layer: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, rotary: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.ops.flare.paged_attention(q, kv, rotary, layer)
 
 
 @contextmanager

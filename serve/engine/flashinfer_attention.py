@@ -98,9 +98,11 @@ class FlashInferPagedAttention:
     def plan_kinds(self) -> dict[str, Any]:
         return {"q_data_type": self.dtype, "kv_data_type": self.dtype, "sm_scale": self.spec.scale}
 
-    def attend(self, layer: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, rotary: torch.Tensor
+    ) -> torch.Tensor:
         assert self._meta is not None, "plan() must run before attend()"
-        k_cache, v_cache = self.cache.store(layer, self._meta.slot_mapping, kv)
+        q, k_cache, v_cache = self.cache.store(layer, self._meta.slot_mapping, q, kv, rotary)
         return self._wrapper.run(q, (k_cache.view(self.pages), v_cache.view(self.pages)))
 
 
@@ -150,8 +152,10 @@ class FlashInferGraphDecode:
             indptr, indices, last, *base.plan_shape(), **base.plan_kinds(), seq_lens=lengths
         )
 
-    def attend(self, layer: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = self.cache.store(layer, self.slots, kv)
+    def attend(
+        self, layer: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, rotary: torch.Tensor
+    ) -> torch.Tensor:
+        q, k_cache, v_cache = self.cache.store(layer, self.slots, q, kv, rotary)
         pages = self.base.pages
         return self._decode.run(q, (k_cache.view(pages), v_cache.view(pages)))
 

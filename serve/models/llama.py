@@ -47,8 +47,9 @@ class Rotary(nn.Module):
     up rather than computed per step: cos and sin of every position the model serves, made
     once where the model is materialized, in float32 as transformers makes them, and kept in
     the model's dtype, which transformers rounds them to before use. A step gathers its
-    positions' rows; a compiled forward reads them inside each layer's rotary kernel (computed
-    in the step, Inductor made four kernels a layer of them)."""
+    positions' rows, which each layer's attention applies as it stores the keys
+    (serve/engine/cache_store.py; computed in the step, Inductor made four kernels a layer of
+    them)."""
 
     def __init__(self, config: dict[str, Any], head_dim: int) -> None:
         super().__init__()
@@ -116,16 +117,6 @@ def _llama3_frequencies(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.T
     return torch.where(medium, blended, scaled)
 
 
-def apply_rotary(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, dim]; rotary: [tokens, 2 (cos, sin), dim], in x's dtype as
-    transformers casts them (a bf16 model keeps bf16 queries and keys; the table is in the
-    model's dtype)."""
-    cos, sin = rotary[:, 0].to(x.dtype), rotary[:, 1].to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class RowParallelLinear(nn.Module):
     """A linear layer whose input features are split across ranks: each rank's partial
     product is summed over ranks, then the (whole) bias is added once."""
@@ -170,18 +161,18 @@ class Attention(nn.Module):
         rotary: torch.Tensor,
         attention: AttentionBackend,
     ) -> torch.Tensor:
-        """The new keys and values go to attention side by side, [tokens, 2, kv_heads, dim]:
-        q, k and v come out of one pointwise pass (rotary on q and k, v copied) that a
-        compiled forward makes one kernel, and the cache stores K and V in one scatter."""
+        """Attention takes the queries and the new keys and values unrotated, as the q/k/v
+        product leaves them (the keys and values side by side, [tokens, 2, kv_heads, dim]),
+        and rotates the queries and keys as it stores the keys and values: one kernel on
+        CUDA (serve/engine/cache_store.py)."""
         heads, kv_heads = self.heads, self.kv_heads
         qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         qkv = qkv.view(-1, heads + 2 * kv_heads, self.head_dim)
-        q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=1)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        qkv = torch.cat((apply_rotary(q, rotary), apply_rotary(k, rotary), v), dim=1)
+            q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=1)
         q, kv = qkv.split((heads, 2 * kv_heads), dim=1)
-        out = attention.attend(self.layer, q, kv.unflatten(1, (2, kv_heads)))
+        out = attention.attend(self.layer, q, kv.unflatten(1, (2, kv_heads)), rotary)
         return self.o_proj(out.reshape(-1, heads * self.head_dim))
 
     def fused_rows(self) -> dict[str, tuple[tuple[str, int], ...]]:
