@@ -84,15 +84,17 @@ def test_each_token_lands_rotated_in_its_slot_and_nothing_else_changes() -> None
     [(1, 32, 8, 64), (3, 32, 8, 128), (17, 12, 2, 64), (2, 6, 6, 32), (4, 14, 2, 80)],
     ids=["1b-decode", "8b", "qwen-like", "no-grouping", "dim-80"],
 )
+@pytest.mark.parametrize("dtype", [KERNEL_DTYPE, torch.float32], ids=str)
 def test_the_kernel_rounds_as_torch_eager_ops_do_bit_for_bit(
-    tokens: int, heads: int, kv_heads: int, dim: int
+    tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype
 ) -> None:
     """The kernel's queries, keys and values equal transformers' op-by-op rotary and the
-    index_put, bit for bit, in the model's dtype; slots not stepped keep their bits."""
-    cache, q, kv, rotary = _step(tokens, heads, kv_heads, dim, KERNEL_DTYPE, seed=tokens)
+    index_put, bit for bit, in the model's dtype (no product fused into a sum: in float32
+    that would round once where torch rounds twice); slots not stepped keep their bits."""
+    cache, q, kv, rotary = _step(tokens, heads, kv_heads, dim, dtype, seed=tokens)
     slots = torch.randperm(64, generator=torch.Generator().manual_seed(dim))[:tokens].to(DEVICE)
     want_q, want = _want(cache, slots, q, kv, rotary)
     got_q = rotate_and_store_rows(cache, slots, q, kv, rotary)
-    assert got_q.dtype == KERNEL_DTYPE and got_q.shape == (tokens, heads, dim)
+    assert got_q.dtype == dtype and got_q.shape == (tokens, heads, dim)
     assert torch.equal(got_q, want_q)
     assert torch.equal(cache, want)
