@@ -14,6 +14,14 @@ stepped through their prefill and WARMUP decode steps, then:
 
 - host time: the wall of each of STEPS `engine.step()` calls, nothing subtracted (the step
   reads the sampled tokens, so it waits for the GPU where the GPU is the slower); median, p90;
+- the host time by phase: STEPS more steps with the engine's phases timed where they are
+  called (`host_us_per_step`: scheduling, the step's input lists, the step's run (on a GPU
+  its launch; on a CPU the forward itself), and within it on the CUDA-graph path the
+  staging of a step (its page table apart) and FlashInfer's plan and the replay, the
+  sampler's launch, the landing of a step with its wait for the device apart, and the
+  delivery of its tokens: detokenizing, the deltas), each phase's microseconds a step,
+  nested ones inside their caller's (a timer costs about 0.3 µs a call, and delivery is one
+  call a sequence);
 - on CUDA, PROFILED more steps under torch.profiler: the GPU's time per step (the kernels' and
   copies' total), the GPU busy share (that over the host time), the device's gaps per step
   (seams between kernels under SEAM_US, and idle time waiting for the host), and per step the
@@ -31,6 +39,8 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +104,7 @@ def profile_width(runtime: GenerateRuntime, n: int, device: str) -> dict[str, An
         "host_ms_per_step": round(1000 * host, 3),
         "host_ms_p90": round(1000 * sorted(walls)[int(0.9 * len(walls))], 3),
         "tokens_per_s": round(n / host, 1),
+        "host_us_per_step": host_phases(engine),
     }
     if device == "cuda":
         out |= kernel_figures(engine.step, host)
@@ -101,6 +112,68 @@ def profile_width(runtime: GenerateRuntime, n: int, device: str) -> dict[str, An
         handle.cancel()
     engine.step()  # takes the cancellations: every sequence's blocks are free again
     return out
+
+
+def host_phases(engine: Any) -> dict[str, float]:
+    """STEPS engine steps with each phase of the host's work timed where it is called:
+    microseconds a step by phase (nested phases also count in their caller's)."""
+    from flare.serve.engine import cuda_graphs
+
+    spent: dict[str, float] = {}
+    runner, graphs = engine.runner, engine.runner.graphs
+    phases = [
+        ("schedule", engine.scheduler, "schedule"),
+        ("step input", runner, "step_input"),
+        ("run step (its launch on a GPU)", runner, "run_step"),
+        ("sampler launch", engine.sampler, "launch"),
+        ("land", engine, "_land"),
+        ("deliver", engine, "_deliver"),
+    ]
+    if graphs is not None:
+        phases += [
+            ("graph: stage", graphs, "_fill"),
+            ("graph: page table", cuda_graphs, "page_table"),
+            ("graph: FlashInfer plan", cuda_graphs.FlashInferGraphDecode, "plan_pages"),
+            ("graph: replay", torch.cuda.CUDAGraph, "replay"),
+        ]
+    waited = engine.counters.device_wait_seconds
+    with ExitStack() as stack:
+        for name, owner, attribute in phases:
+            stack.enter_context(_timed(spent, name, owner, attribute))
+        started = time.perf_counter()
+        for _ in range(STEPS):
+            engine.step()
+        whole = time.perf_counter() - started
+    spent["land: device wait"] = engine.counters.device_wait_seconds - waited
+    spent["step"] = whole
+    return {name: round(1e6 * seconds / STEPS, 1) for name, seconds in spent.items()}
+
+
+@contextmanager
+def _timed(spent: dict[str, float], name: str, owner: Any, attribute: str) -> Iterator[None]:
+    """`owner.attribute` (an object's method, a class's, or a module's function) timed into
+    spent[name] for the length of the block, then put back as it was."""
+    before = vars(owner).get(attribute, _MISSING)
+    original: Callable[..., Any] = getattr(owner, attribute)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - started
+
+    setattr(owner, attribute, timed)
+    try:
+        yield
+    finally:
+        if before is _MISSING:
+            delattr(owner, attribute)
+        else:
+            setattr(owner, attribute, before)
+
+
+_MISSING = object()
 
 
 def kernel_figures(step: Any, host: float) -> dict[str, Any]:
