@@ -10,15 +10,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_runtime import build_package
 
 from flare.build.tiny import make_tiny_llama
+from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.cuda_graphs import padded_to
-from flare.serve.engine.flashinfer_attention import page_table
+from flare.serve.engine.flashinfer_attention import page_counts, page_table
 from flare.serve.engine.runner import FreshRows, StepInput, StepLogits
 from flare.serve.engine.sampler import row_max
+from flare.serve.engine.sequence import BlockTable, Sequence, join_pages
 from flare.serve.runtime import GenerateRuntime, SamplingParams, load_runtime
 
 GPU = torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
@@ -46,6 +49,49 @@ def test_the_page_table_names_each_sequences_blocks_up_to_its_context() -> None:
     assert pages == [1, 1, 2, 2]
     assert indices == [4, 1, 5, 6, 8, 9]
     assert last == [1, 16, 1, 16]
+
+
+def test_a_block_table_array_follows_its_list_as_it_grows() -> None:
+    """The int32 array a replay joins its pages from holds the list's ids, past the length
+    it started with; a step cannot ask more pages of it than it holds."""
+    table = BlockTable([7, 3])
+    for block in range(100, 140):
+        table.append(block)
+        assert table.pages(len(table.ids)).tolist() == table.ids
+    assert table.pages(3).tolist() == [7, 3, 100]
+    with pytest.raises(ValueError, match="43 pages asked of a block table of 42"):
+        table.pages(43)
+
+
+def test_a_replay_stages_the_page_table_of_the_sequences_lists() -> None:
+    """Sequences through the block manager's life (a shared cached prefix, decode steps over
+    block boundaries, one freed and readmitted), at every decode step: the pages joined from
+    their block tables' arrays are page_table's indices from their lists, the pad rows'
+    too, and a step another rank sent (lists alone) joins the same."""
+    manager = BlockManager(num_blocks=64, block_size=4)
+    prompt = list(range(1, 10))
+    seqs = [Sequence([*prompt, i], SamplingParams(), max_tokens=64) for i in range(3)]
+    seqs.append(Sequence(list(range(20, 25)), SamplingParams(), max_tokens=64))
+    for s in seqs:
+        manager.allocate(s)
+    for step in range(11):
+        if step == 5:  # one leaves and comes back: its blocks are handed out again
+            manager.free_sequence(seqs[1])
+            manager.allocate(seqs[1])
+        for s in seqs:
+            s.append(40 + step)
+            manager.append_slot(s)
+        contexts = [len(s) for s in seqs]
+        decode = StepInput([0] * 4, [0] * 4, [0] * 4, [1] * 4, contexts,
+                           [s.block_table for s in seqs], [s.blocks for s in seqs])  # fmt: skip
+        padded = padded_to(decode, 6, pad_block=63, block_size=4)
+        pages, want, _ = page_table(padded.context_lens, padded.tables, 4)
+        for made in (padded, StepInput.from_json(padded.to_json())):
+            counts, _ = page_counts(made.context_lens, 4)
+            got = np.zeros(sum(counts), dtype=np.int32)
+            join_pages(made.block_tables(), counts, got)
+            assert counts == pages and got.tolist() == want
+    assert seqs[0].block_table[:2] == seqs[2].block_table[:2]  # the prefix was shared
 
 
 @pytest.mark.skipif(not GPU, reason="needs CUDA and the flashinfer-python package")

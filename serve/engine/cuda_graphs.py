@@ -16,7 +16,8 @@ On a GPU host every call into the CUDA driver costs the engine thread tens of mi
 (about 40 on the H200 host measured, docs/performance.md), so a step makes few of them:
 
 - before the replay, the host writes the step's token ids, positions, KV slots, where each
-  pending token comes from, and its page indices into one pinned buffer, copied to the device
+  pending token comes from, and its page indices (joined from the sequences' block tables'
+  int32 arrays: no Python work a page) into one pinned buffer, copied to the device
   in one copy without waiting; FlashInfer plans the step (a host-side computation whose results
   it copies into its own buffers, also without waiting);
 - the graph itself moves the staged values into the forward's inputs (a pending token read
@@ -45,10 +46,11 @@ from flare.serve.engine.device_io import settle
 from flare.serve.engine.flashinfer_attention import (
     FlashInferGraphDecode,
     FlashInferPagedAttention,
-    page_table,
+    page_counts,
 )
 from flare.serve.engine.runner import Forward, FreshRows, StepInput, StepLogits
 from flare.serve.engine.sampler import RowMaxima, row_max
+from flare.serve.engine.sequence import BlockTable, join_pages
 
 
 @dataclass
@@ -219,9 +221,9 @@ class DecodeGraphs:
         if fresh is not None:
             grid[3, fresh.rows] = fresh.sources
             self._keep_tokens(fresh.tokens)
-        pages, indices, last = page_table(step.context_lens, step.tables, self.block_size)
-        end = STAGED * top + len(indices)
-        staged[STAGED * top : end] = indices
+        pages, last = page_counts(step.context_lens, self.block_size)
+        end = STAGED * top + sum(pages)
+        join_pages(step.block_tables(), pages, staged[STAGED * top : end])
         self._staged[:end].copy_(self._staged_host[:end], non_blocking=True)
         table = self._table_host.numpy()
         table[0, 0] = 0
@@ -260,6 +262,7 @@ def padded_to(step: StepInput, size: int, pad_block: int, block_size: int) -> St
         query_lens=step.query_lens + [1] * rows,
         context_lens=step.context_lens + [1] * rows,
         tables=step.tables + [[pad_block]] * rows,
+        blocks=step.block_tables() + [BlockTable([pad_block])] * rows,
     )
 
 

@@ -165,10 +165,16 @@ def page_table(
 ) -> tuple[list[int], list[int], list[int]]:
     """FlashInfer's view of a batch's KV: pages per sequence (its blocks up to its context),
     those pages one after another, and how full each sequence's last page is."""
-    pages = [-(-ctx // block_size) for ctx in context_lens]
+    pages, last = page_counts(context_lens, block_size)
     indices = [block for table, n in zip(tables, pages, strict=True) for block in table[:n]]
-    last = [(ctx - 1) % block_size + 1 for ctx in context_lens]
     return pages, indices, last
+
+
+def page_counts(context_lens: list[int], block_size: int) -> tuple[list[int], list[int]]:
+    """Each sequence's pages (its blocks up to its context) and how full its last one is."""
+    pages = [-(-ctx // block_size) for ctx in context_lens]
+    last = [(ctx - 1) % block_size + 1 for ctx in context_lens]
+    return pages, last
 
 
 def _offsets(counts: list[int]) -> torch.Tensor:

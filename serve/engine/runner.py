@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 import torch
@@ -10,7 +10,7 @@ import torch
 from flare.serve.engine.attention import AttentionBackend, AttentionMetadata, AttentionSpec
 from flare.serve.engine.device_io import upload
 from flare.serve.engine.sampler import RowMaxima
-from flare.serve.engine.sequence import Sequence
+from flare.serve.engine.sequence import BlockTable, Sequence
 
 
 class CausalLM(Protocol):
@@ -137,13 +137,23 @@ class StepInput:
     query_lens: list[int]
     context_lens: list[int]
     tables: list[list[int]]
+    blocks: list[BlockTable] | None = field(default=None, compare=False, repr=False)
+    """The same tables as the sequences keep them (with their int32 arrays), where the step
+    was made from the sequences; not sent to other ranks."""
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "blocks"}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StepInput:
-        return cls(**{key: data[key] for key in cls.__dataclass_fields__})
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name != "blocks"})
+
+    def block_tables(self) -> list[BlockTable]:
+        """Every row's block table with its int32 array: the sequences' own, or made from
+        the lists (a step another rank sent)."""
+        if self.blocks is not None:
+            return self.blocks
+        return [BlockTable(table) for table in self.tables]
 
 
 class ModelRunner:
@@ -227,6 +237,7 @@ class ModelRunner:
             query_lens=[1] * len(seqs),
             context_lens=lengths,
             tables=[seq.block_table for seq in seqs],
+            blocks=[seq.blocks for seq in seqs],
         )
 
     def _slot(self, seq: Sequence, position: int) -> int:

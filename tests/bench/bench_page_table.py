@@ -1,10 +1,11 @@
 """What a CUDA-graph decode step's page table costs the host, by context length.
 
 Each decode step the host writes every sequence's KV pages, one after another, into the pinned
-buffer FlashInfer reads (serve/engine/cuda_graphs.py: `page_table`, then the numpy write),
-from the sequences' block tables, which are Python lists: work a page, so it grows with the
-contexts. Beside it, what the same flat table costs from per-sequence int32 arrays joined by
-numpy (the baseline a table kept as arrays, grown a block at a time, would pay each step).
+buffer FlashInfer reads (serve/engine/cuda_graphs.py: `DecodeGraphs._fill`). Made from the
+block tables' Python lists (`flashinfer_attention.page_table`, then a numpy write: the graph
+path before, the eager path's planner still) that is work a page, which grows with the
+contexts; joined from each sequence's `BlockTable` int32 array (`page_counts`, then
+`join_pages`: the graph path now) it is work a sequence.
 
     python tests/bench/bench_page_table.py [--sequences 64] [--pages 20,64,256]
 
@@ -17,31 +18,30 @@ from __future__ import annotations
 import argparse
 import statistics
 import timeit
+from collections.abc import Callable
 
 import numpy as np
 
-from flare.serve.engine.flashinfer_attention import page_table
+from flare.serve.engine.flashinfer_attention import page_counts, page_table
+from flare.serve.engine.sequence import BlockTable, join_pages
 
 BLOCK = 16
 RUNS = 5
 CALLS = 200
 
 
-def as_staged(tables: list[list[int]], contexts: list[int], staged: np.ndarray) -> None:
-    """What a step does now: the page table from the lists, then its indices into the pinned
-    buffer's numpy view."""
+def from_lists(tables: list[list[int]], contexts: list[int], out: np.ndarray) -> None:
     _, indices, _ = page_table(contexts, tables, BLOCK)
-    staged[: len(indices)] = indices
+    out[: len(indices)] = indices
 
 
-def as_arrays(arrays: list[np.ndarray], pages: list[int], staged: np.ndarray) -> None:
-    """The baseline: each sequence's pages already an int32 array, joined into the buffer."""
-    np.concatenate([a[:n] for a, n in zip(arrays, pages, strict=True)], out=staged[: sum(pages)])
+def from_block_tables(tables: list[BlockTable], contexts: list[int], out: np.ndarray) -> None:
+    pages, _ = page_counts(contexts, BLOCK)
+    join_pages(tables, pages, out[: sum(pages)])
 
 
-def microseconds(action: object) -> float:
-    times = timeit.repeat(action, number=CALLS, repeat=RUNS)  # type: ignore[arg-type]
-    return 1e6 * statistics.median(times) / CALLS
+def microseconds(action: Callable[[], None]) -> float:
+    return 1e6 * statistics.median(timeit.repeat(action, number=CALLS, repeat=RUNS)) / CALLS
 
 
 def main() -> int:
@@ -49,17 +49,20 @@ def main() -> int:
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--pages", default="20,64,256")
     args = parser.parse_args()
-    print("| pages a sequence | context | lists, as now (µs a step) | int32 arrays (µs) | ratio |")
+    print("| pages a sequence | context | lists (µs a step) | block tables (µs a step) | ratio |")
     print("|---|---|---|---|---|")
     for per in map(int, args.pages.split(",")):
-        tables = [list(range(i * 10_000, i * 10_000 + per)) for i in range(args.sequences)]
+        lists = [list(range(i * 10_000, i * 10_000 + per)) for i in range(args.sequences)]
+        tables = [BlockTable(ids) for ids in lists]
         contexts = [per * BLOCK - 3] * args.sequences
-        arrays = [np.asarray(t, dtype=np.int32) for t in tables]
-        pages = [per] * args.sequences
-        staged = np.zeros(args.sequences * per, dtype=np.int32)
-        now = microseconds(lambda: as_staged(tables, contexts, staged))  # noqa: B023
-        base = microseconds(lambda: as_arrays(arrays, pages, staged))  # noqa: B023
-        print(f"| {per} | {per * BLOCK - 3} | {now:.1f} | {base:.1f} | {now / base:.1f}x |")
+        out = np.zeros(args.sequences * per, dtype=np.int32)
+        from_lists(lists, contexts, out)
+        want = out.copy()
+        from_block_tables(tables, contexts, out)
+        assert np.array_equal(out, want), "the two ways disagree"
+        before = microseconds(lambda: from_lists(lists, contexts, out))  # noqa: B023
+        now = microseconds(lambda: from_block_tables(tables, contexts, out))  # noqa: B023
+        print(f"| {per} | {per * BLOCK - 3} | {before:.1f} | {now:.1f} | {before / now:.1f}x |")
     return 0
 
 

@@ -17,7 +17,7 @@ stepped through their prefill and WARMUP decode steps, then:
 - the host time by phase: STEPS more steps with the engine's phases timed where they are
   called (`host_us_per_step`: scheduling, the step's input lists, the step's run (on a GPU
   its launch; on a CPU the forward itself), and within it on the CUDA-graph path the
-  staging of a step (its page table apart) and FlashInfer's plan and the replay, the
+  staging of a step and FlashInfer's plan and the replay, the
   sampler's launch, the landing of a step with its wait for the device apart, and the
   delivery of its tokens: detokenizing, the deltas), each phase's microseconds a step,
   nested ones inside their caller's (a timer costs about 0.3 µs a call, and delivery is one
@@ -132,7 +132,6 @@ def host_phases(engine: Any) -> dict[str, float]:
     if graphs is not None:
         phases += [
             ("graph: stage", graphs, "_fill"),
-            ("graph: page table", cuda_graphs, "page_table"),
             ("graph: FlashInfer plan", cuda_graphs.FlashInferGraphDecode, "plan_pages"),
             ("graph: replay", torch.cuda.CUDAGraph, "replay"),
         ]
