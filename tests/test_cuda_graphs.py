@@ -32,12 +32,13 @@ def test_a_batch_is_padded_with_one_token_rows_in_the_pad_block() -> None:
     """The rows past the batch write their KV into the pad block only and read one token of it:
     no sequence's blocks are touched, and the real rows are unchanged."""
     slots = [3 * BLOCK + 4, 7 * BLOCK + 3]
-    step = StepInput([5, 6], [20, 3], slots, [1, 1], [21, 4], [[9, 3], [7]])
+    tables = [BlockTable([9, 3]), BlockTable([7])]
+    step = StepInput([5, 6], [20, 3], slots, [1, 1], [21, 4], tables)
     padded = padded_to(step, 4, pad_block=99, block_size=BLOCK)
     assert padded.ids == [5, 6, 0, 0] and padded.positions == [20, 3, 0, 0]
     assert padded.slots == [*slots, 99 * BLOCK, 99 * BLOCK]
     assert padded.query_lens == [1] * 4 and padded.context_lens == [21, 4, 1, 1]
-    assert padded.tables == [[9, 3], [7], [99], [99]]
+    assert [table.ids for table in padded.tables] == [[9, 3], [7], [99], [99]]
     assert padded_to(step, 2, pad_block=99, block_size=BLOCK) == step
 
 
@@ -67,7 +68,7 @@ def test_a_replay_stages_the_page_table_of_the_sequences_lists() -> None:
     """Sequences through the block manager's life (a shared cached prefix, decode steps over
     block boundaries, one freed and readmitted), at every decode step: the pages joined from
     their block tables' arrays are page_table's indices from their lists, the pad rows'
-    too, and a step another rank sent (lists alone) joins the same."""
+    too, and a step sent to another rank as JSON joins the same."""
     manager = BlockManager(num_blocks=64, block_size=4)
     prompt = list(range(1, 10))
     seqs = [Sequence([*prompt, i], SamplingParams(), max_tokens=64) for i in range(3)]
@@ -82,14 +83,14 @@ def test_a_replay_stages_the_page_table_of_the_sequences_lists() -> None:
             s.append(40 + step)
             manager.append_slot(s)
         contexts = [len(s) for s in seqs]
-        decode = StepInput([0] * 4, [0] * 4, [0] * 4, [1] * 4, contexts,
-                           [s.block_table for s in seqs], [s.blocks for s in seqs])  # fmt: skip
+        decode = StepInput([0] * 4, [0] * 4, [0] * 4, [1] * 4, contexts, [s.kv_table for s in seqs])
         padded = padded_to(decode, 6, pad_block=63, block_size=4)
-        pages, want, _ = page_table(padded.context_lens, padded.tables, 4)
-        for made in (padded, StepInput.from_json(padded.to_json())):
+        lists = [table.ids for table in padded.tables]
+        pages, want, _ = page_table(padded.context_lens, lists, 4)
+        for made in (padded, StepInput.from_json(json.loads(json.dumps(padded.to_json())))):
             counts, _ = page_counts(made.context_lens, 4)
             got = np.zeros(sum(counts), dtype=np.int32)
-            join_pages(made.block_tables(), counts, got)
+            join_pages(made.tables, counts, got)
             assert counts == pages and got.tolist() == want
     assert seqs[0].block_table[:2] == seqs[2].block_table[:2]  # the prefix was shared
 

@@ -79,13 +79,13 @@ class BlockManager:
         cached = self._cached_prefix(seq)
         for block_id in cached:
             self._take(block_id)
-        seq.blocks = BlockTable(cached)
+        seq.kv_table = BlockTable(cached)
         seq.num_cached_tokens = len(cached) * self.block_size
         self.prefix_hit_tokens += seq.num_cached_tokens
         previous = self.blocks[cached[-1]].hash if cached else None
         for index in range(len(cached), seq.num_blocks(self.block_size)):
             block = self._fresh()
-            seq.blocks.append(block.id)
+            seq.kv_table.append(block.id)
             previous = self._name_if_full(block, seq, index, previous)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
@@ -113,7 +113,7 @@ class BlockManager:
         """Make room for the newest token's KV; name the last block once it is full (once the
         newest token's value is known: a pending one names it when it resolves)."""
         if self._needs_block(seq):
-            seq.blocks.append(self._fresh().id)
+            seq.kv_table.append(self._fresh().id)
         if not seq.pending:
             self.name_newest(seq)
 
@@ -143,7 +143,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free[block_id] = None
-        seq.blocks = BlockTable()
+        seq.kv_table = BlockTable()
         seq.num_cached_tokens = 0
 
     def forget(self, seq: Sequence) -> None:

@@ -223,7 +223,7 @@ class DecodeGraphs:
             self._keep_tokens(fresh.tokens)
         pages, last = page_counts(step.context_lens, self.block_size)
         end = STAGED * top + sum(pages)
-        join_pages(step.block_tables(), pages, staged[STAGED * top : end])
+        join_pages(step.tables, pages, staged[STAGED * top : end])
         self._staged[:end].copy_(self._staged_host[:end], non_blocking=True)
         table = self._table_host.numpy()
         table[0, 0] = 0
@@ -261,8 +261,7 @@ def padded_to(step: StepInput, size: int, pad_block: int, block_size: int) -> St
         slots=step.slots + [slot] * rows,
         query_lens=step.query_lens + [1] * rows,
         context_lens=step.context_lens + [1] * rows,
-        tables=step.tables + [[pad_block]] * rows,
-        blocks=step.block_tables() + [BlockTable([pad_block])] * rows,
+        tables=step.tables + [BlockTable([pad_block])] * rows,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import torch
@@ -126,34 +126,27 @@ class DecodeReplay(Protocol):
 
 @dataclass(frozen=True)
 class StepInput:
-    """One step's batch as plain lists: what rank zero sends the other tensor-parallel ranks
-    (as JSON), each of which makes the same tensors from it and runs its part of the forward.
-    `tables` are the sequences' block tables as they are (padded only where a tensor needs
-    a rectangle: a CUDA-graph decode step never pads them)."""
+    """One step's batch as lists: what rank zero sends the other tensor-parallel ranks (as
+    JSON), each of which makes the same tensors from it and runs its part of the forward.
+    `tables` are the sequences' block tables as they are (lists of ids in JSON; padded only
+    where a tensor needs a rectangle: a CUDA-graph decode step joins their arrays as they
+    are)."""
 
     ids: list[int]
     positions: list[int]
     slots: list[int]
     query_lens: list[int]
     context_lens: list[int]
-    tables: list[list[int]]
-    blocks: list[BlockTable] | None = field(default=None, compare=False, repr=False)
-    """The same tables as the sequences keep them (with their int32 arrays), where the step
-    was made from the sequences; not sent to other ranks."""
+    tables: list[BlockTable]
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "blocks"}
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        return data | {"tables": [table.ids for table in self.tables]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StepInput:
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name != "blocks"})
-
-    def block_tables(self) -> list[BlockTable]:
-        """Every row's block table with its int32 array: the sequences' own, or made from
-        the lists (a step another rank sent)."""
-        if self.blocks is not None:
-            return self.blocks
-        return [BlockTable(table) for table in self.tables]
+        step = {f.name: data[f.name] for f in fields(cls)}
+        return cls(**step | {"tables": [BlockTable(ids) for ids in data["tables"]]})
 
 
 class ModelRunner:
@@ -220,7 +213,7 @@ class ModelRunner:
             positions += range(start, len(seq))
             slots += (self._slot(seq, p) for p in range(start, len(seq)))
             query_lens.append(len(seq) - start)
-        tables = [seq.block_table for seq in seqs]
+        tables = [seq.kv_table for seq in seqs]
         context_lens = [len(seq) for seq in seqs]
         return StepInput(ids, positions, slots, query_lens, context_lens, tables)
 
@@ -236,8 +229,7 @@ class ModelRunner:
             slots=slots,
             query_lens=[1] * len(seqs),
             context_lens=lengths,
-            tables=[seq.block_table for seq in seqs],
-            blocks=[seq.blocks for seq in seqs],
+            tables=[seq.kv_table for seq in seqs],
         )
 
     def _slot(self, seq: Sequence, position: int) -> int:
@@ -249,8 +241,9 @@ class ModelRunner:
         starts = [0]
         for n in step.query_lens:
             starts.append(starts[-1] + n)
-        width = max(map(len, step.tables))
-        padded = [table + [-1] * (width - len(table)) for table in step.tables]
+        tables = [table.ids for table in step.tables]
+        width = max(map(len, tables))
+        padded = [ids + [-1] * (width - len(ids)) for ids in tables]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(step.slots),
             query_start_loc=self._tensor(starts),
@@ -259,7 +252,7 @@ class ModelRunner:
             block_size=self.block_size,
             query_lens_cpu=step.query_lens,
             context_lens_cpu=step.context_lens,
-            block_tables_cpu=step.tables,
+            block_tables_cpu=tables,
         )
         return self._tensor(step.ids), self._tensor(step.positions), meta
 

@@ -122,7 +122,7 @@ class Sequence:
         self.params = params
         self.max_tokens = max_tokens
         self.status = Status.WAITING
-        self.blocks = BlockTable()
+        self.kv_table = BlockTable()
         """Its KV blocks, which the block manager hands out (it grows them by `append`, and
         replaces them whole when it allocates or frees)."""
         self.num_cached_tokens = 0
@@ -134,8 +134,8 @@ class Sequence:
 
     @property
     def block_table(self) -> list[int]:
-        """Its KV blocks' ids, in order (read it; `blocks` is what grows)."""
-        return self.blocks.ids
+        """Its KV blocks' ids, in order (read it; `kv_table` is what grows)."""
+        return self.kv_table.ids
 
     @property
     def num_output_tokens(self) -> int:
