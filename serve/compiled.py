@@ -54,7 +54,9 @@ def settings() -> None:
     with them, 0.9-1.2x without: docs/performance.md), and no thread count is compiled in;
     ISA detection from the CPU's flags (not by building a probe per ISA, 17 s here); a fixed
     -march per ISA level; no precompiled headers (with them, loading a kernel runs the
-    preprocessor to key the header); and the compiler hook below.
+    preprocessor to key the header); the compiler hook below; and on GPUs that take it,
+    Triton kernels that launch as dependents of the kernel ahead
+    (serve/engine/dependent_launch.py).
 
     And Dynamo's: no automatic dynamic shapes. The forward's graphs are dynamic in exactly
     the dimensions it marks (tokens, rows); Dynamo would otherwise make any other dimension
@@ -71,6 +73,7 @@ def settings() -> None:
     inductor.cpp.vec_isa_ok = True
     if hasattr(inductor.cpp, "march"):  # not in torch 2.11: -march=native there, CPU only
         inductor.cpp.march = MARCH.get(torch.backends.cpu.get_cpu_capability())
+    inductor.triton.enable_pdl = True
     if hasattr(inductor, "cpp_cache_precompile_headers"):
         inductor.cpp_cache_precompile_headers = False
     _hook_compiler()

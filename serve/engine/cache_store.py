@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from flare.serve.engine.dependent_launch import chained
+
 try:
     import triton
     import triton.language as tl
@@ -70,13 +72,15 @@ def rotate_and_store_rows(
         kv = kv.contiguous()
     rotary = rotary.to(q.dtype).contiguous()
     out = q.new_empty(tokens, heads, dim)
+    dependent = chained(q.device)
     _rotate_store_kernel[(tokens,)](
         out, cache, slots, q, kv, rotary, q.stride(0), kv.stride(0),
         HEADS=heads, KV_HEADS=kv_heads, DIM=dim,
         BLOCK_Q=triton.next_power_of_2(heads),
         BLOCK_KV=triton.next_power_of_2(kv_heads),
         BLOCK_D=triton.next_power_of_2(dim),
-        num_warps=4, enable_fp_fusion=False,  # each product rounded on its own, as torch's
+        DEPENDENT=dependent, num_warps=4, launch_pdl=dependent,
+        enable_fp_fusion=False,  # each product rounded on its own, as torch's
     )  # fmt: skip
     return out
 
@@ -105,9 +109,14 @@ if triton is not None:
         out_ptr, cache_ptr, slots_ptr, q_ptr, kv_ptr, rotary_ptr, q_stride, kv_stride,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr,
+        DEPENDENT: tl.constexpr,
     ):  # fmt: skip
         """Program t: token t's queries rotated to row t of out; its keys rotated and its
-        values copied to row slots[t] of the cache."""
+        values copied to row slots[t] of the cache. Launched as a dependent, it waits for the
+        kernel ahead, then lets the next kernel launch."""
+        if DEPENDENT:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         token = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots_ptr + token).to(tl.int64)
         d = tl.arange(0, BLOCK_D)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flare.serve.engine.dependent_launch import chained
+
 try:
     import triton
     import triton.language as tl
@@ -100,13 +102,17 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["rows"])
     def _few_rows_kernel(
-        x_ptr, w_ptr, out_ptr, parts_ptr, counts_ptr, rows, n, k,
+        x_ptr, w_ptr, out_ptr, parts_ptr, counts_ptr, rows, n, k, warm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+        SPLIT: tl.constexpr, EVEN_K: tl.constexpr, DEPENDENT: tl.constexpr, WARM: tl.constexpr,
     ):  # fmt: skip
         """Program (tile, part): x[:, part's K] @ w[tile's columns, part's K]^T. With SPLIT
         parts, each writes float32 to parts[part] and takes the tile's counter; the last adds
-        parts 0..SPLIT-1 in order, writes the tile and sets the counter back to 0."""
+        parts 0..SPLIT-1 in order, writes the tile and sets the counter back to 0.
+
+        Launched as a dependent (DEPENDENT), a program first sends the first `warm` values of
+        its part of each of its columns toward the L2 cache (WARM), then waits for the kernel
+        ahead to end, and lets the next launch."""
         tile = tl.program_id(0)
         part = tl.program_id(1)
         at_m = tl.arange(0, BLOCK_M)
@@ -116,6 +122,11 @@ if triton is not None:
         per_part = tl.cdiv(steps, SPLIT)
         first = part * per_part
         last = tl.minimum(first + per_part, steps)
+        if WARM:
+            _warm_columns(w_ptr, at_n, n, k, first * BLOCK_K, warm)
+        if DEPENDENT:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row_ok = at_m[:, None] < rows
         col_ok = at_n[None, :] < n
         x_at = x_ptr + at_m[:, None] * k + at_k[None, :]
@@ -147,6 +158,20 @@ if triton is not None:
                     )  # fmt: skip
                 tl.store(out_at, summed.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
                 tl.atomic_xchg(counts_ptr + tile, 0)
+
+    @triton.jit
+    def _warm_columns(w_ptr, columns, n, k, start, count):
+        """Prefetch weights [columns, start:start + count] into the L2 cache, clipped to the
+        row: one bulk prefetch a column (Hopper's cp.async.bulk: w 16-byte aligned, k and
+        start multiples of 8 half-precision values), asking nothing back."""
+        start = tl.minimum(start, k - 8)
+        count = tl.minimum(count, k - start)
+        at = w_ptr + tl.minimum(columns, n - 1).to(tl.int64) * k + start
+        size = tl.full(columns.shape, 2, tl.int32) * count
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r",
+            [at, size], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
 
     @torch.library.custom_op("flare::linear", mutates_args=())
     def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -197,25 +222,47 @@ COUNTERS = 1 << 16
 """Tiles a split product may have: 65,536 at 16 columns covers a 1M-wide output."""
 
 
-def few_rows(x: torch.Tensor, weight: torch.Tensor, cut: Tiling | None = None) -> torch.Tensor:
-    """x @ weight.T for x [rows ≤ MOST_ROWS, k] and weight [n, k], both contiguous, one dtype."""
+WARM_BYTES = 8 * 2**20
+"""Weight bytes a dependent product sends toward the L2 cache before the kernel ahead ends
+(its first columns' first values; the L2 holds 50 MB)."""
+
+
+def few_rows(
+    x: torch.Tensor, weight: torch.Tensor, cut: Tiling | None = None, pdl: bool | None = None
+) -> torch.Tensor:
+    """x @ weight.T for x [rows ≤ MOST_ROWS, k] and weight [n, k], both contiguous, one dtype;
+    launched as a dependent where the device takes it (pdl None) or as pdl says."""
     rows, k = x.shape
     n = weight.shape[0]
     cut = cut or tiling(n, k)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, cut.block_n)
     counts = _counters(x.device)
+    dependent = chained(x.device) if pdl is None else pdl
+    warm = warm_values(weight, cut)
     parts = out
     if cut.split > 1:
         if tiles > COUNTERS:
             raise ValueError(f"a split product of {tiles} column tiles (at most {COUNTERS})")
         parts = torch.empty((cut.split, rows, n), dtype=torch.float32, device=x.device)
     _few_rows_kernel[(tiles, cut.split)](
-        x, weight, out, parts, counts, rows, n, k,
+        x, weight, out, parts, counts, rows, n, k, warm,
         BLOCK_M=block_rows(rows), BLOCK_N=cut.block_n, BLOCK_K=cut.block_k, SPLIT=cut.split,
-        EVEN_K=k % cut.block_k == 0, num_warps=WARPS, num_stages=stages_within(cut, rows),
+        EVEN_K=k % cut.block_k == 0, DEPENDENT=dependent, WARM=dependent and warm > 0,
+        num_warps=WARPS, num_stages=stages_within(cut, rows), launch_pdl=dependent,
     )  # fmt: skip
     return out
+
+
+def warm_values(weight: torch.Tensor, cut: Tiling) -> int:
+    """Values of each column a dependent product prefetches: WARM_BYTES over its columns and
+    parts, in whole 8-value (16-byte) pieces, at most a part's share of K; 0 where the
+    weight's rows are not 16-byte aligned (the bulk prefetch's rule)."""
+    n, k = weight.shape
+    if k % 8 or weight.data_ptr() % 16:
+        return 0
+    share = WARM_BYTES // (2 * n * cut.split)
+    return max(8, min(share, triton.cdiv(k, cut.split)) // 8 * 8)
 
 
 def _counters(device: torch.device) -> torch.Tensor:

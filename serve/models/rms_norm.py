@@ -5,9 +5,11 @@ then does the same with its MLP's output. Written as torch operations, Inductor 
 kernels of each on the H200 (the add, the sum of squares, the scaling: docs/performance.md),
 about 1.5 microseconds apiece with the seams between them, 48 kernels a step at 1B. On CUDA
 `add_rms_norm` does it in one Triton kernel that reads both inputs once and writes the sum and
-its norm, as vLLM's fused_add_rms_norm does; it is a `triton_op`, so a compiled forward calls
-the kernel directly and Inductor's cache keeps it with the graph. Everywhere else, and where
-Triton is missing, the same arithmetic runs as torch operations.
+its norm, as vLLM's fused_add_rms_norm does. It is an opaque operator (`flare::add_rms_norm`),
+as `flare::linear` is, so that it launches as a dependent of the kernel ahead on GPUs that
+take it (serve/engine/dependent_launch.py), which a kernel that Inductor calls for a compiled
+forward cannot; its kernel comes from Triton's cache, which a package's compile phase packs.
+Everywhere else, and where Triton is missing, the same arithmetic runs as torch operations.
 
 The arithmetic is transformers' (and the torch path's): the sum rounded to the model's dtype,
 then in float32 x * rsqrt(mean(x^2) + eps), rounded, times the weight, rounded.
@@ -18,10 +20,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flare.serve.engine.dependent_launch import chained
+
 try:
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
 except ImportError:  # a CPU build of torch ships without Triton
     triton = None
 
@@ -55,12 +58,19 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(
-        x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr, cols, eps, BLOCK: tl.constexpr
-    ):
+        x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr, cols, eps,
+        BLOCK: tl.constexpr, DEPENDENT: tl.constexpr,
+    ):  # fmt: skip
         """One program per row (rows `cols` apart): the row's sum, its sum of squares, its
-        scaled norm. On CUDA only: tests/test_rms_norm.py checks it there."""
+        scaled norm. On CUDA only: tests/test_rms_norm.py checks it there. Launched as a
+        dependent, it reads the weight, waits for the kernel ahead, and lets the next kernel (a
+        product, which starts its weights toward the L2 cache) launch."""
         at = tl.program_id(0).to(tl.int64) * cols + tl.arange(0, BLOCK)
         mask = tl.arange(0, BLOCK) < cols
+        weight = tl.load(weight_ptr + tl.arange(0, BLOCK), mask=mask, other=0.0).to(tl.float32)
+        if DEPENDENT:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
         residual = tl.load(residual_ptr + at, mask=mask, other=0.0).to(tl.float32)
         summed = (x + residual).to(summed_ptr.dtype.element_ty)
@@ -68,10 +78,9 @@ if triton is not None:
         values = summed.to(tl.float32)
         scale = tl.rsqrt(tl.sum(values * values, axis=0) / cols + eps)
         normed = (values * scale).to(out_ptr.dtype.element_ty).to(tl.float32)
-        weight = tl.load(weight_ptr + tl.arange(0, BLOCK), mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + at, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton_op("flare::add_rms_norm", mutates_args={})
+    @torch.library.custom_op("flare::add_rms_norm", mutates_args=())
     def add_rms_norm(
         x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,8 +90,15 @@ if triton is not None:
         summed = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
         block = triton.next_power_of_2(cols)
         warps = min(max(block // 512, 4), 16)
-        wrap_triton(_add_rms_norm_kernel)[(rows,)](
+        dependent = chained(x.device)
+        _add_rms_norm_kernel[(rows,)](
             x.contiguous(), residual.contiguous(), weight, out, summed, cols, eps,
-            BLOCK=block, num_warps=warps,
+            BLOCK=block, DEPENDENT=dependent, num_warps=warps, launch_pdl=dependent,
         )  # fmt: skip
         return out, summed
+
+    @add_rms_norm.register_fake
+    def _(
+        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.new_empty(x.shape), x.new_empty(x.shape)

@@ -16,19 +16,24 @@ divided by its products.
 
 `--chain` times a decode step's products in their order, as a model's layers run them, every
 layer with weights of its own: add+norm, q/k/v, (a stand-in for attention), o_proj, add+norm,
-gate/up, silu*mul, down_proj, and the logits, one CUDA graph a step. Two ways: cuBLAS and
-`few_rows`. It prints each way's step time, its ratio to cuBLAS, and how far the ways' logits
-are apart.
+gate/up, silu*mul, down_proj, and the logits, one CUDA graph a step. Three ways: cuBLAS,
+`few_rows`, and `few_rows` with every kernel launched as a dependent of the one ahead
+(serve/engine/dependent_launch.py; the stand-in and silu*mul compiled by Inductor with and
+without `triton.enable_pdl` to match). It prints each way's step time, its ratio to cuBLAS, and
+how far the ways' logits are apart.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -168,35 +173,70 @@ def chain_weights(shape: str, device: str) -> dict:
     return {"layers": layers, "lm_head": draw(*dims["lm_head"]), "hidden": hidden}
 
 
-def chain_step(weights: dict, x: torch.Tensor, product) -> torch.Tensor:
+@dataclass
+class Way:
+    """How a chain runs: its product, and whether its kernels launch as dependents."""
+
+    product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    dependent: bool
+
+    def __post_init__(self) -> None:
+        options = {"triton.enable_pdl": self.dependent}
+        self.attend = torch.compile(_stand_in, options=options, dynamic=False)
+        self.silu_mul = torch.compile(_silu_mul, options=options, dynamic=False)
+
+
+def _stand_in(qkv: torch.Tensor, width: int) -> torch.Tensor:
+    return qkv[:, :width] * 1
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@contextlib.contextmanager
+def launched_as(way: Way):
+    """add_rms_norm launches as a dependent as the way says (it asks the device otherwise)."""
+    from flare.serve.models import rms_norm
+
+    chained = rms_norm.chained
+    rms_norm.chained = lambda device: way.dependent
+    try:
+        yield
+    finally:
+        rms_norm.chained = chained
+
+
+def chain_step(weights: dict, x: torch.Tensor, way: Way) -> torch.Tensor:
     """A decode step's products and norms in order; attention is a copy of q's columns."""
     from flare.serve.models.rms_norm import add_rms_norm
 
     hidden, residual = x, torch.zeros_like(x)
     width = weights["hidden"]
+    product = way.product
     for layer in weights["layers"]:
         normed, residual = add_rms_norm(hidden, residual, layer["norm"], 1e-5)
         qkv = product(normed, layer["qkv"])
-        attended = qkv[:, :width].contiguous()
+        attended = way.attend(qkv, width)
         out = product(attended, layer["o"])
         normed, residual = add_rms_norm(out, residual, layer["norm"], 1e-5)
-        gate, up = product(normed, layer["gate_up"]).chunk(2, dim=-1)
-        hidden = product(F.silu(gate) * up, layer["down"])
+        hidden = product(way.silu_mul(product(normed, layer["gate_up"])), layer["down"])
     normed, _ = add_rms_norm(hidden, residual, weights["layers"][0]["norm"], 1e-5)
     return product(normed, weights["lm_head"])
 
 
-def time_chain(weights: dict, x: torch.Tensor, product) -> tuple[float, torch.Tensor]:
+def time_chain(weights: dict, x: torch.Tensor, way: Way) -> tuple[float, torch.Tensor]:
     """Seconds a step (the median of REPLAYS replays of its graph) and its logits."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chain_step(weights, x, product)
+    with torch.cuda.stream(stream), launched_as(way):
+        chain_step(weights, x, way)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = chain_step(weights, x, product)
+    with torch.cuda.graph(graph), launched_as(way):
+        logits = chain_step(weights, x, way)
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -213,8 +253,9 @@ def time_chain(weights: dict, x: torch.Tensor, product) -> tuple[float, torch.Te
 def measure_chain(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     ways = {
-        "cublas": lambda x, w: F.linear(x, w),
-        "few_rows": lambda x, w: few_rows(x, w),
+        "cublas": Way(lambda x, w: F.linear(x, w), dependent=False),
+        "few_rows": Way(lambda x, w: few_rows(x, w, pdl=False), dependent=False),
+        "few_rows_dependent": Way(lambda x, w: few_rows(x, w, pdl=True), dependent=True),
     }
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for shape in args.shapes:
@@ -223,9 +264,9 @@ def measure_chain(args: argparse.Namespace) -> dict:
             x = torch.randn(rows, weights["hidden"], device="cuda", dtype=torch.bfloat16)
             entry: dict = {}
             reference = None
-            for name, product in ways.items():
+            for name, way in ways.items():
                 try:
-                    seconds, logits = time_chain(weights, x, product)
+                    seconds, logits = time_chain(weights, x, way)
                 except Exception as exc:
                     entry[name] = {"failed": f"{type(exc).__name__}: {exc}"[:200]}
                     continue
