@@ -105,14 +105,15 @@ if triton is not None:
         x_ptr, w_ptr, out_ptr, parts_ptr, counts_ptr, rows, n, k, warm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT: tl.constexpr, EVEN_K: tl.constexpr, DEPENDENT: tl.constexpr, WARM: tl.constexpr,
+        PIECES: tl.constexpr,
     ):  # fmt: skip
         """Program (tile, part): x[:, part's K] @ w[tile's columns, part's K]^T. With SPLIT
         parts, each writes float32 to parts[part] and takes the tile's counter; the last adds
         parts 0..SPLIT-1 in order, writes the tile and sets the counter back to 0.
 
         Launched as a dependent (DEPENDENT), a program first sends the first `warm` values of
-        its part of each of its columns toward the L2 cache (WARM), then waits for the kernel
-        ahead to end, and lets the next launch."""
+        its part of each of its columns toward the L2 cache (WARM, in PIECES a column), then
+        waits for the kernel ahead to end, and lets the next launch."""
         tile = tl.program_id(0)
         part = tl.program_id(1)
         at_m = tl.arange(0, BLOCK_M)
@@ -123,7 +124,7 @@ if triton is not None:
         first = part * per_part
         last = tl.minimum(first + per_part, steps)
         if WARM:
-            _warm_columns(w_ptr, at_n, n, k, first * BLOCK_K, warm)
+            _warm_columns(w_ptr, at_n, n, k, first * BLOCK_K, warm, PIECES)
         if DEPENDENT:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -160,14 +161,20 @@ if triton is not None:
                 tl.atomic_xchg(counts_ptr + tile, 0)
 
     @triton.jit
-    def _warm_columns(w_ptr, columns, n, k, start, count):
+    def _warm_columns(w_ptr, columns, n, k, start, count, PIECES: tl.constexpr):
         """Prefetch weights [columns, start:start + count] into the L2 cache, clipped to the
-        row: one bulk prefetch a column (Hopper's cp.async.bulk: w 16-byte aligned, k and
-        start multiples of 8 half-precision values), asking nothing back."""
-        start = tl.minimum(start, k - 8)
-        count = tl.minimum(count, k - start)
-        at = w_ptr + tl.minimum(columns, n - 1).to(tl.int64) * k + start
-        size = tl.full(columns.shape, 2, tl.int32) * count
+        row, in PIECES bulk prefetches a column (Hopper's cp.async.bulk: w 16-byte aligned, k,
+        start and count multiples of 8 * PIECES half-precision values), one a thread when
+        columns x PIECES is the program's threads, asking nothing back."""
+        start = tl.minimum(start, k - 8 * PIECES)
+        piece = tl.minimum(count, k - start) // PIECES
+        at = (
+            w_ptr
+            + tl.minimum(columns, n - 1).to(tl.int64)[:, None] * k
+            + start
+            + tl.arange(0, PIECES)[None, :] * piece
+        )
+        size = tl.full(at.shape, 2, tl.int32) * piece
         tl.inline_asm_elementwise(
             "cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r",
             [at, size], dtype=tl.int32, is_pure=False, pack=1,
@@ -249,6 +256,7 @@ def few_rows(
         x, weight, out, parts, counts, rows, n, k, warm,
         BLOCK_M=block_rows(rows), BLOCK_N=cut.block_n, BLOCK_K=cut.block_k, SPLIT=cut.split,
         EVEN_K=k % cut.block_k == 0, DEPENDENT=dependent, WARM=dependent and warm > 0,
+        PIECES=pieces(cut),
         num_warps=WARPS, num_stages=stages_within(cut, rows), launch_pdl=dependent,
     )  # fmt: skip
     return out
@@ -256,13 +264,20 @@ def few_rows(
 
 def warm_values(weight: torch.Tensor, cut: Tiling) -> int:
     """Values of each column a dependent product prefetches: WARM_BYTES over its columns and
-    parts, in whole 8-value (16-byte) pieces, at most a part's share of K; 0 where the
-    weight's rows are not 16-byte aligned (the bulk prefetch's rule)."""
+    parts, at most a part's share of K, in whole pieces of 8 values (16 bytes) for each of
+    the program's threads that a column has; 0 where that is none, or the weight's rows
+    are not so aligned (the bulk prefetch's rule)."""
     n, k = weight.shape
-    if k % 8 or weight.data_ptr() % 16:
+    unit = 8 * pieces(cut)
+    if k % unit or weight.data_ptr() % 16:
         return 0
     share = WARM_BYTES // (2 * n * cut.split)
-    return max(8, min(share, triton.cdiv(k, cut.split)) // 8 * 8)
+    return min(share, triton.cdiv(k, cut.split)) // unit * unit
+
+
+def pieces(cut: Tiling) -> int:
+    """Bulk prefetches a column of a dependent product: one for each of a program's threads."""
+    return max(1, 32 * WARPS // cut.block_n)
 
 
 def _counters(device: torch.device) -> torch.Tensor:
