@@ -132,6 +132,48 @@ def test_a_compiled_forward_takes_any_row_count_through_one_graph() -> None:
         _within_one_rounding(compiled(x), x, weight)
 
 
+@needs_cuda
+def test_a_graph_of_kernels_launched_as_dependents_gives_the_serial_chains_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU that takes programmatic dependent launch, a decode step's products and norms
+    start before the kernel ahead ends (serve/engine/dependent_launch.py): replayed from a
+    CUDA graph, a chain of them, each reading what the one before wrote (a split product
+    among them), gives the bits of the same chain launched one kernel after another."""
+    from flare.serve.models import rms_norm
+
+    weights = [_operands(1, n, k, seed=20 + i)[1] for i, (n, k) in enumerate(_CHAIN * 4)]
+    norm = torch.ones(1024, device="cuda", dtype=DTYPE)
+
+    def chain(x: torch.Tensor, dependent: bool) -> torch.Tensor:
+        residual = torch.zeros_like(x)
+        for weight in weights:
+            x = x[:, : weight.shape[1]].contiguous()
+            if weight.shape[1] == norm.shape[0]:
+                x, residual = rms_norm.add_rms_norm(x, residual, norm, 1e-5)
+            x = few_rows(x, weight, pdl=dependent)
+        return x
+
+    x = torch.zeros(4, 1024, device="cuda", dtype=DTYPE)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(x, dependent=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x, dependent=True)
+    monkeypatch.setattr(rms_norm, "chained", lambda device: False)
+    for seed in range(3):
+        x.copy_(_operands(4, 8, 1024, seed=seed)[0])
+        graph.replay()
+        assert torch.equal(out, chain(x, dependent=False))
+
+
+_CHAIN = [(3072, 1024), (1024, 1024), (8192, 1024), (1024, 4096)]
+"""(n, k) of a layer's products in the dependent chain: q/k/v, o, gate/up, down (split)."""
+
+
 def test_linear_elsewhere_is_f_linear_bitwise() -> None:
     """On a CPU (or any tensor off CUDA) `linear` is `F.linear`, bias and all."""
     generator = torch.Generator().manual_seed(0)

@@ -102,18 +102,16 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["rows"])
     def _few_rows_kernel(
-        x_ptr, w_ptr, out_ptr, parts_ptr, counts_ptr, rows, n, k, warm,
+        x_ptr, w_ptr, out_ptr, parts_ptr, counts_ptr, rows, n, k,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT: tl.constexpr, EVEN_K: tl.constexpr, DEPENDENT: tl.constexpr, WARM: tl.constexpr,
-        PIECES: tl.constexpr,
+        SPLIT: tl.constexpr, EVEN_K: tl.constexpr, DEPENDENT: tl.constexpr,
     ):  # fmt: skip
         """Program (tile, part): x[:, part's K] @ w[tile's columns, part's K]^T. With SPLIT
         parts, each writes float32 to parts[part] and takes the tile's counter; the last adds
         parts 0..SPLIT-1 in order, writes the tile and sets the counter back to 0.
 
-        Launched as a dependent (DEPENDENT), a program first sends the first `warm` values of
-        its part of each of its columns toward the L2 cache (WARM, in PIECES a column), then
-        waits for the kernel ahead to end, and lets the next launch."""
+        Launched as a dependent (DEPENDENT), a program first waits for the kernel ahead to
+        end, then lets the next launch."""
         tile = tl.program_id(0)
         part = tl.program_id(1)
         at_m = tl.arange(0, BLOCK_M)
@@ -123,8 +121,6 @@ if triton is not None:
         per_part = tl.cdiv(steps, SPLIT)
         first = part * per_part
         last = tl.minimum(first + per_part, steps)
-        if WARM:
-            _warm_columns(w_ptr, at_n, n, k, first * BLOCK_K, warm, PIECES)
         if DEPENDENT:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -159,26 +155,6 @@ if triton is not None:
                     )  # fmt: skip
                 tl.store(out_at, summed.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
                 tl.atomic_xchg(counts_ptr + tile, 0)
-
-    @triton.jit
-    def _warm_columns(w_ptr, columns, n, k, start, count, PIECES: tl.constexpr):
-        """Prefetch weights [columns, start:start + count] into the L2 cache, clipped to the
-        row, in PIECES bulk prefetches a column (Hopper's cp.async.bulk: w 16-byte aligned, k,
-        start and count multiples of 8 * PIECES half-precision values), one a thread when
-        columns x PIECES is the program's threads, asking nothing back."""
-        start = tl.minimum(start, k - 8 * PIECES)
-        piece = tl.minimum(count, k - start) // PIECES
-        at = (
-            w_ptr
-            + tl.minimum(columns, n - 1).to(tl.int64)[:, None] * k
-            + start
-            + tl.arange(0, PIECES)[None, :] * piece
-        )
-        size = tl.full(at.shape, 2, tl.int32) * piece
-        tl.inline_asm_elementwise(
-            "cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r",
-            [at, size], dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
 
     @torch.library.custom_op("flare::linear", mutates_args=())
     def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -229,11 +205,6 @@ COUNTERS = 1 << 16
 """Tiles a split product may have: 65,536 at 16 columns covers a 1M-wide output."""
 
 
-WARM_BYTES = 8 * 2**20
-"""Weight bytes a dependent product sends toward the L2 cache before the kernel ahead ends
-(its first columns' first values; the L2 holds 50 MB)."""
-
-
 def few_rows(
     x: torch.Tensor, weight: torch.Tensor, cut: Tiling | None = None, pdl: bool | None = None
 ) -> torch.Tensor:
@@ -246,38 +217,18 @@ def few_rows(
     tiles = triton.cdiv(n, cut.block_n)
     counts = _counters(x.device)
     dependent = chained(x.device) if pdl is None else pdl
-    warm = warm_values(weight, cut)
     parts = out
     if cut.split > 1:
         if tiles > COUNTERS:
             raise ValueError(f"a split product of {tiles} column tiles (at most {COUNTERS})")
         parts = torch.empty((cut.split, rows, n), dtype=torch.float32, device=x.device)
     _few_rows_kernel[(tiles, cut.split)](
-        x, weight, out, parts, counts, rows, n, k, warm,
+        x, weight, out, parts, counts, rows, n, k,
         BLOCK_M=block_rows(rows), BLOCK_N=cut.block_n, BLOCK_K=cut.block_k, SPLIT=cut.split,
-        EVEN_K=k % cut.block_k == 0, DEPENDENT=dependent, WARM=dependent and warm > 0,
-        PIECES=pieces(cut),
+        EVEN_K=k % cut.block_k == 0, DEPENDENT=dependent,
         num_warps=WARPS, num_stages=stages_within(cut, rows), launch_pdl=dependent,
     )  # fmt: skip
     return out
-
-
-def warm_values(weight: torch.Tensor, cut: Tiling) -> int:
-    """Values of each column a dependent product prefetches: WARM_BYTES over its columns and
-    parts, at most a part's share of K, in whole pieces of 8 values (16 bytes) for each of
-    the program's threads that a column has; 0 where that is none, or the weight's rows
-    are not so aligned (the bulk prefetch's rule)."""
-    n, k = weight.shape
-    unit = 8 * pieces(cut)
-    if k % unit or weight.data_ptr() % 16:
-        return 0
-    share = WARM_BYTES // (2 * n * cut.split)
-    return min(share, triton.cdiv(k, cut.split)) // unit * unit
-
-
-def pieces(cut: Tiling) -> int:
-    """Bulk prefetches a column of a dependent product: one for each of a program's threads."""
-    return max(1, 32 * WARPS // cut.block_n)
 
 
 def _counters(device: torch.device) -> torch.Tensor:

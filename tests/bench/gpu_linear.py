@@ -18,9 +18,9 @@ divided by its products.
 layer with weights of its own: add+norm, q/k/v, (a stand-in for attention), o_proj, add+norm,
 gate/up, silu*mul, down_proj, and the logits, one CUDA graph a step. Ways: cuBLAS,
 `few_rows`, and `few_rows` with some of its kernels launched as dependents of the kernel ahead
-(serve/engine/dependent_launch.py: the products, warming some of their weights into L2 first;
-the norms; the stand-in and silu*mul, which Inductor compiles, with `triton.enable_pdl`). It
-prints each way's step time, its ratio to cuBLAS, and how far the ways' logits are apart.
+(serve/engine/dependent_launch.py: the products; the norms; the stand-in and silu*mul, which
+Inductor compiles, with `triton.enable_pdl`). It prints each way's step time, its ratio to
+cuBLAS, and how far the ways' logits are apart.
 """
 
 from __future__ import annotations
@@ -176,12 +176,10 @@ def chain_weights(shape: str, device: str) -> dict:
 @dataclass
 class Way:
     """How a chain runs: its product, and which of its kernels launch as dependents of the
-    kernel ahead (the products, warming this many bytes of their weights first; the norms;
-    Inductor's)."""
+    kernel ahead (the products, the norms, Inductor's)."""
 
     product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     products: bool = False
-    warm_bytes: int = 0
     norms: bool = False
     inductor: bool = False
 
@@ -191,9 +189,9 @@ class Way:
         self.silu_mul = torch.compile(_silu_mul, options=options, dynamic=False)
 
 
-def dependent(products: bool, warm_mb: int, norms: bool, inductor: bool) -> Way:
+def dependent(products: bool, norms: bool, inductor: bool) -> Way:
     """A `few_rows` chain whose kernels launch as dependents as the flags say."""
-    return Way(lambda x, w: few_rows(x, w, pdl=products), products, warm_mb << 20, norms, inductor)
+    return Way(lambda x, w: few_rows(x, w, pdl=products), products, norms, inductor)
 
 
 def _stand_in(qkv: torch.Tensor, width: int) -> torch.Tensor:
@@ -207,17 +205,15 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def launched_as(way: Way):
-    """add_rms_norm launches as a dependent as the way says (it asks the device otherwise),
-    and a dependent product warms the way's bytes."""
-    from flare.serve.models import linear, rms_norm
+    """add_rms_norm launches as a dependent as the way says (it asks the device otherwise)."""
+    from flare.serve.models import rms_norm
 
-    chained, warm = rms_norm.chained, linear.WARM_BYTES
+    chained = rms_norm.chained
     rms_norm.chained = lambda device: way.norms
-    linear.WARM_BYTES = way.warm_bytes
     try:
         yield
     finally:
-        rms_norm.chained, linear.WARM_BYTES = chained, warm
+        rms_norm.chained = chained
 
 
 def chain_step(weights: dict, x: torch.Tensor, way: Way) -> torch.Tensor:
@@ -267,13 +263,10 @@ def measure_chain(args: argparse.Namespace) -> dict:
     torch._dynamo.config.recompile_limit = 256
     ways = {
         "cublas": Way(lambda x, w: F.linear(x, w)),
-        "few_rows": dependent(False, 0, False, False),
-        "dependent_all_warm_8mb": dependent(True, 8, True, True),
-        "dependent_all_warm_2mb": dependent(True, 2, True, True),
-        "dependent_all_no_warm": dependent(True, 0, True, True),
-        "dependent_products_no_warm": dependent(True, 0, False, False),
-        "dependent_products_warm_8mb": dependent(True, 8, False, False),
-        "dependent_norms_inductor": dependent(False, 0, True, True),
+        "few_rows": dependent(False, False, False),
+        "dependent_all": dependent(True, True, True),
+        "dependent_products": dependent(True, False, False),
+        "dependent_norms_inductor": dependent(False, True, True),
     }
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for shape in args.shapes:
