@@ -81,7 +81,7 @@ def profile_path(runtime: GenerateRuntime, device: str) -> dict[str, Any]:
 def profile_width(runtime: GenerateRuntime, n: int, device: str) -> dict[str, Any]:
     """N sequences decoding: host time per step, and (CUDA) the profiler's figures."""
     engine = runtime.engine
-    budget = WARMUP + STEPS + PROFILED + 2
+    budget = WARMUP + 2 * STEPS + PROFILED + 2  # the timed steps, host_phases', the profiled
     params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
     generator = torch.Generator().manual_seed(n)
     prompts = torch.randint(2, runtime.vocab_size, (n, PROMPT), generator=generator).tolist()
@@ -104,7 +104,7 @@ def profile_width(runtime: GenerateRuntime, n: int, device: str) -> dict[str, An
         "host_ms_per_step": round(1000 * host, 3),
         "host_ms_p90": round(1000 * sorted(walls)[int(0.9 * len(walls))], 3),
         "tokens_per_s": round(n / host, 1),
-        "host_us_per_step": host_phases(engine),
+        "host_us_per_step": host_phases(engine, n),
     }
     if device == "cuda":
         out |= kernel_figures(engine.step, host)
@@ -114,9 +114,10 @@ def profile_width(runtime: GenerateRuntime, n: int, device: str) -> dict[str, An
     return out
 
 
-def host_phases(engine: Any) -> dict[str, float]:
-    """STEPS engine steps with each phase of the host's work timed where it is called:
-    microseconds a step by phase (nested phases also count in their caller's)."""
+def host_phases(engine: Any, n: int) -> dict[str, float]:
+    """STEPS engine steps of the n sequences decoding, with each phase of the host's work
+    timed where it is called: microseconds a step by phase (nested phases also count in their
+    caller's)."""
     from flare.serve.engine import cuda_graphs
 
     spent: dict[str, float] = {}
@@ -136,6 +137,7 @@ def host_phases(engine: Any) -> dict[str, float]:
             ("graph: replay", torch.cuda.CUDAGraph, "replay"),
         ]
     waited = engine.counters.device_wait_seconds
+    generated = engine.counters.generated_tokens
     with ExitStack() as stack:
         for name, owner, attribute in phases:
             stack.enter_context(_timed(spent, name, owner, attribute))
@@ -143,6 +145,8 @@ def host_phases(engine: Any) -> dict[str, float]:
         for _ in range(STEPS):
             engine.step()
         whole = time.perf_counter() - started
+    if engine.counters.generated_tokens - generated != n * STEPS:
+        raise RuntimeError("a step timed by phase was not a decode of every sequence")
     spent["land: device wait"] = engine.counters.device_wait_seconds - waited
     spent["step"] = whole
     return {name: round(1e6 * seconds / STEPS, 1) for name, seconds in spent.items()}
