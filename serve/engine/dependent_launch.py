@@ -3,7 +3,7 @@
 A decode step is a chain of some 200 short kernels, and each used to start only once the one
 ahead had ended: a few microseconds a kernel in which the GPU read no weights (the products'
 start, docs/performance.md). On Hopper GPUs (compute capability 9.0 and up) a kernel launched
-with CUDA's programmatic stream serialization is launched while the kernel ahead still runs,
+with CUDA's programmatic stream serialization may be launched while the kernel ahead runs,
 and a captured CUDA graph keeps such launches as programmatic edges. flare's decode kernels
 (`few_rows`, `add_rms_norm`, `rotate_and_store`) launch so there: each waits for the kernel
 ahead to end and its writes to show (`gdc_wait`), and then lets the kernel behind it launch

@@ -63,8 +63,7 @@ if triton is not None:
     ):  # fmt: skip
         """One program per row (rows `cols` apart): the row's sum, its sum of squares, its
         scaled norm. On CUDA only: tests/test_rms_norm.py checks it there. Launched as a
-        dependent, it reads the weight, waits for the kernel ahead, and lets the next kernel (a
-        product, which starts its weights toward the L2 cache) launch."""
+        dependent, it reads the weight, waits for the kernel ahead, and lets the next launch."""
         at = tl.program_id(0).to(tl.int64) * cols + tl.arange(0, BLOCK)
         mask = tl.arange(0, BLOCK) < cols
         weight = tl.load(weight_ptr + tl.arange(0, BLOCK), mask=mask, other=0.0).to(tl.float32)
