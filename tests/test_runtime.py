@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import math
+import random
 import sys
 import time
 from collections.abc import Iterator
@@ -16,13 +18,14 @@ import pytest
 import torch
 from checkpoints import make_llama
 from registry_helpers import Quiet
+from tokenizers import Tokenizer
 
 from flare.build.pipeline import Build, BuildRequest
 from flare.registry.refs import read_manifest
 from flare.registry.registry import Registry
 from flare.serve.engine.attention import TorchPagedAttention
 from flare.serve.engine.block_manager import BlockManager
-from flare.serve.engine.output import TextStream
+from flare.serve.engine.output import HOLD_LIMIT, TextStream
 from flare.serve.engine.runner import FreshTokens, ModelRunner, StepLogits
 from flare.serve.engine.sequence import Sequence
 from flare.serve.models import load_model
@@ -475,6 +478,45 @@ def test_text_streams_whole_characters(llama: GenerateRuntime) -> None:
     assert "".join(pieces) + stream.flush() == text
     assert not any("\ufffd" in piece for piece in pieces)
     assert len(ids) > len(text.encode()) // 2  # the tiny BPE splits these characters
+
+
+def _streamed(tokenizer: Tokenizer, ids: list[int]) -> tuple[list[str], str]:
+    """A request's tokens through a TextStream: the text of each push, and all of it."""
+    stream = TextStream(tokenizer, [])
+    pieces = [stream.push(token)[0] for token in ids]
+    return pieces, "".join(pieces) + stream.flush()
+
+
+def test_streamed_text_is_the_whole_decode_even_of_bytes_of_no_character(
+    llama: GenerateRuntime,
+) -> None:
+    """A random model emits byte tokens that end inside a character or form none: streamed,
+    its text is still what one decode of all its tokens gives, replacement characters and
+    all (the held bytes at the end were once dropped), whole characters around them kept."""
+    tokenizer = llama.tokenizer
+    draw = random.Random(7)
+    vocab = tokenizer.get_vocab_size()
+    clean = tokenizer.encode("naïve café: 日本語 ✓ done").ids
+    for _ in range(300):
+        ids = [draw.randrange(vocab) for _ in range(draw.randrange(1, 120))]
+        if draw.random() < 0.5:
+            ids = clean[: draw.randrange(len(clean))] + ids + clean
+        assert _streamed(tokenizer, ids)[1] == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_bytes_of_no_character_are_released_every_hold_limit_tokens(
+    llama: GenerateRuntime,
+) -> None:
+    """A run of byte tokens that never completes a character (0xE2 again and again) is
+    streamed as replacement characters at least every HOLD_LIMIT tokens, not held (and
+    decoded again at every token) until the request ends; the text after it is whole."""
+    tokenizer = llama.tokenizer
+    split = tokenizer.token_to_id("â")  # byte 0xE2 in the byte-level alphabet
+    after = tokenizer.encode(" and then words").ids
+    pieces, text = _streamed(tokenizer, [split] * 100 + after)
+    gaps = [len(list(run)) for said, run in itertools.groupby(pieces[:100], bool) if not said]
+    assert max(gaps) < HOLD_LIMIT
+    assert text == "\ufffd" * 100 + " and then words"
 
 
 def test_invalid_requests_are_refused(llama: GenerateRuntime) -> None:

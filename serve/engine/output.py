@@ -2,7 +2,11 @@
 
 Text is decoded incrementally by the tokenizers library's `DecodeStream` (one call a token,
 over a short window of tokens) and released only when it decodes cleanly, so a multi-byte
-character split over tokens is never emitted in halves.
+character split over tokens is never emitted in halves. What it still holds when a request
+ends is decoded then, replacement characters and all, as a whole decode gives it; and a run of
+tokens that never decodes cleanly (bytes of no character, which a random or broken model
+emits) is released every HOLD_LIMIT tokens, since `DecodeStream` decodes all it holds again at
+every token (tests/bench/bench_detokenize.py: 111-570 µs a token a thousand tokens in).
 Text that could be the start of a stop string is held back until it is clearly not one.
 """
 
@@ -62,6 +66,18 @@ class RequestFailed(RuntimeError):
     the message names the request and the cause. Other requests were not touched."""
 
 
+HOLD_LIMIT = 16
+"""Tokens a stream holds before it releases all but the last KEEP of them as they decode
+(replacement characters for bytes of no character): clean text holds at most 3 (a 4-byte
+character in single-byte tokens)."""
+KEEP = 3
+"""Tokens a release keeps held: the bytes an unfinished character may already have."""
+CONTEXT = 4
+"""Tokens of the text the decoder last gave that a release decodes after, and primes a fresh
+decoder with (a decoder's output for a token can depend on the one before it: spaces, the
+start of the text)."""
+
+
 class TextStream:
     """Incremental detokenizer with stop strings for one request."""
 
@@ -69,12 +85,18 @@ class TextStream:
         self.tokenizer = tokenizer
         self.stop = stop
         self._decoder = DecodeStream(skip_special_tokens=True)
+        self._held: list[int] = []
+        """Tokens the decoder holds: pushed since it last gave text."""
+        self._clean: list[int] = []
+        """The last CONTEXT tokens of the text the decoder gave (which ends whole)."""
         self.pending = ""
         """Decoded text not yet emitted (it may begin a stop string)."""
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Add a token; return the text now safe to emit and whether a stop string was hit."""
-        text = self._decoder.step(self.tokenizer, token_id) or ""
+        text = self._step(token_id)
+        if len(self._held) >= HOLD_LIMIT:
+            text += self._release(self._held[:-KEEP], self._held[-KEEP:])
         if not self.stop:  # nothing is ever held back
             return text, False
         self.pending += text
@@ -85,8 +107,33 @@ class TextStream:
         return self._take(len(self.pending) - self._held_back()), False
 
     def flush(self) -> str:
-        """The text held back, when the request ends without a stop string."""
+        """The text held back, when the request ends without a stop string: the held tokens
+        decoded as they stand (an unfinished character as a replacement character)."""
+        if self._held:
+            self.pending += self._release(self._held, [])
         return self._take(len(self.pending))
+
+    def _step(self, token_id: int) -> str:
+        """The decoder's text for one more token ("" while it holds the token)."""
+        text = self._decoder.step(self.tokenizer, token_id)
+        if text is None:
+            self._held.append(token_id)
+            return ""
+        self._clean = (self._clean + self._held + [token_id])[-CONTEXT:]
+        self._held = []
+        return text
+
+    def _release(self, released: list[int], kept: list[int]) -> str:
+        """The text of `released` (held tokens, in order) decoded after the clean tokens;
+        then a fresh decoder, primed with them, steps through `kept`."""
+        clean = self._clean
+        before = self.tokenizer.decode(clean, skip_special_tokens=True)
+        after = self.tokenizer.decode(clean + released, skip_special_tokens=True)
+        text = after[len(before) :] if after.startswith(before) else after
+        self._decoder, self._held = DecodeStream(skip_special_tokens=True), []
+        for token in clean:
+            self._decoder.step(self.tokenizer, token)
+        return text + "".join(self._step(token) for token in kept)
 
     def _held_back(self) -> int:
         """The longest tail of the pending text that begins some stop string."""
