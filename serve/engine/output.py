@@ -129,7 +129,9 @@ class TextStream:
         clean = self._clean
         before = self.tokenizer.decode(clean, skip_special_tokens=True)
         after = self.tokenizer.decode(clean + released, skip_special_tokens=True)
-        text = after[len(before) :] if after.startswith(before) else after
+        if not after.startswith(before):  # a decoder that rewrites what came before
+            after, before = self.tokenizer.decode(released, skip_special_tokens=True), ""
+        text = after[len(before) :]
         self._decoder, self._held = DecodeStream(skip_special_tokens=True), []
         for token in clean:
             self._decoder.step(self.tokenizer, token)
