@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -87,7 +88,7 @@ class TextStream:
         self._decoder = DecodeStream(skip_special_tokens=True)
         self._held: list[int] = []
         """Tokens the decoder holds: pushed since it last gave text."""
-        self._clean: list[int] = []
+        self._clean: deque[int] = deque(maxlen=CONTEXT)
         """The last CONTEXT tokens of the text the decoder gave (which ends whole)."""
         self.pending = ""
         """Decoded text not yet emitted (it may begin a stop string)."""
@@ -119,14 +120,16 @@ class TextStream:
         if text is None:
             self._held.append(token_id)
             return ""
-        self._clean = (self._clean + self._held + [token_id])[-CONTEXT:]
-        self._held = []
+        if self._held:
+            self._clean.extend(self._held)
+            self._held = []
+        self._clean.append(token_id)
         return text
 
     def _release(self, released: list[int], kept: list[int]) -> str:
         """The text of `released` (held tokens, in order) decoded after the clean tokens;
         then a fresh decoder, primed with them, steps through `kept`."""
-        clean = self._clean
+        clean = list(self._clean)
         before = self.tokenizer.decode(clean, skip_special_tokens=True)
         after = self.tokenizer.decode(clean + released, skip_special_tokens=True)
         if not after.startswith(before):  # a decoder that rewrites what came before

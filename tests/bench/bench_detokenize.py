@@ -6,8 +6,8 @@ is host time a sequence a step. `DecodeStream` holds a token back while the text
 ends in a replacement character (a UTF-8 character split over byte tokens), and decodes its
 whole held-back window again at the next token; a stream of byte tokens that never completes a
 character (a random-weight model's, or the fixed logits of `bench_host_loop.py`) makes that
-window grow by a token a step. Three streams are timed, each a request's tokens pushed in
-order, microseconds a token over the tokens after the first N:
+window grow by a token a step. Three streams are timed, each a request's N tokens pushed in
+order, microseconds a token over the second half of them:
 
 - `words`: gpu_serving.py's word-level tokenizer of Llama-3's 128,256 ids, random ids;
 - `text`: the tiny byte-level BPE (build/tiny.py), the ids of English text;

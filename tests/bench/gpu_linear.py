@@ -175,11 +175,10 @@ def chain_weights(shape: str, device: str) -> dict:
 
 @dataclass
 class Way:
-    """How a chain runs: its product, and which of its kernels launch as dependents of the
-    kernel ahead (the products, the norms, Inductor's)."""
+    """How a chain runs: its product (which says itself whether it launches as a dependent),
+    and whether the norms and Inductor's kernels launch as dependents of the kernel ahead."""
 
     product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    products: bool = False
     norms: bool = False
     inductor: bool = False
 
@@ -191,7 +190,7 @@ class Way:
 
 def dependent(products: bool, norms: bool, inductor: bool) -> Way:
     """A `few_rows` chain whose kernels launch as dependents as the flags say."""
-    return Way(lambda x, w: few_rows(x, w, pdl=products), products, norms, inductor)
+    return Way(lambda x, w: few_rows(x, w, pdl=products), norms, inductor)
 
 
 def _stand_in(qkv: torch.Tensor, width: int) -> torch.Tensor:
