@@ -48,8 +48,9 @@ from flare.serve.engine.flashinfer_attention import (
     FlashInferPagedAttention,
     page_counts,
 )
+from flare.serve.engine.graph_step import pick_rows, pick_scratch, take_inputs
 from flare.serve.engine.runner import Forward, FreshRows, StepInput, StepLogits
-from flare.serve.engine.sampler import RowMaxima, row_max
+from flare.serve.engine.sampler import RowMaxima
 from flare.serve.engine.sequence import BlockTable, join_pages
 
 
@@ -123,6 +124,8 @@ class DecodeGraphs:
         self._tokens = torch.zeros(top, dtype=torch.int64, device=device)
         """Each replay's greedy tokens, where the next replay reads its pending ones."""
         self._packed = torch.zeros((top, 2), dtype=torch.float64, device=device)
+        self._scratch: torch.Tensor | None = None
+        """`pick_rows`' room, made once the vocabulary is known (the first step's logits)."""
         self._packed_host = [
             torch.zeros((top, 2), dtype=torch.float64, pin_memory=True) for _ in range(2)
         ]
@@ -170,17 +173,13 @@ class DecodeGraphs:
         """What a graph runs: the staged inputs into the forward's, the forward, each row's
         maximum and its index (into `_tokens`, and beside it into `_packed`)."""
         ids, positions, slots = (tensor[:size] for tensor in self._inputs)
-        staged = self._staged[: STAGED * self.max_batch].view(STAGED, -1)[:, :size]
-        positions.copy_(staged[1])
-        slots.copy_(staged[2])
-        sources = staged[3]
-        pending = self._tokens.index_select(0, sources.clamp(min=0))
-        torch.where(sources >= 0, pending, staged[0], out=ids)
+        staged = self._staged[: STAGED * self.max_batch].view(STAGED, -1)
+        take_inputs(staged, self._tokens, ids, positions, slots)
         logits = self.forward(ids, positions, self._last[:size], attention)
-        maxima, tokens = row_max(logits)
-        self._tokens[:size].copy_(tokens)
-        self._packed[:size, 0].copy_(tokens)
-        self._packed[:size, 1].copy_(maxima)
+        if self._scratch is None:  # the first step runs before any capture
+            self._scratch = pick_scratch(self.max_batch, logits.shape[-1], logits.device)
+        maxima = logits.new_empty(size)
+        pick_rows(logits, self._tokens[:size], maxima, self._packed[:size], self._scratch)
         return logits, maxima
 
     @torch.inference_mode()
