@@ -26,8 +26,8 @@ from flare.registry.registry import Registry
 from flare.serve.engine.attention import TorchPagedAttention
 from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.output import HOLD_LIMIT, TextStream
-from flare.serve.engine.runner import FreshTokens, ModelRunner, StepLogits
-from flare.serve.engine.sequence import Sequence
+from flare.serve.engine.runner import FreshTokens, ModelRunner, StepInput, StepLogits
+from flare.serve.engine.sequence import BlockTable, Sequence
 from flare.serve.models import load_model
 from flare.serve.models.files import PackageFiles
 from flare.serve.models.llama import head_dim
@@ -171,6 +171,34 @@ def prompt_logits(
         ours = model.compute_logits(model.forward(input_ids, positions, attention))
         theirs = reference_model(folder)(prompt[None]).logits[0]
     return ours, theirs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_prefills_inputs_go_up_while_the_step_ahead_still_runs() -> None:
+    """The engine launches a step while the one before runs: an 8K-token prefill's inputs
+    are on their way without the host waiting for the device (a copy from pageable memory
+    would wait for the stream to drain), and arrive as the lists were."""
+    runner = ModelRunner(None, None, 16, torch.device("cuda"))  # type: ignore[arg-type]
+    tokens = 8192
+    step = StepInput(
+        ids=list(range(tokens)),
+        positions=list(range(tokens)),
+        slots=list(range(16, 16 + tokens)),
+        query_lens=[tokens],
+        context_lens=[tokens],
+        tables=[BlockTable(list(range(1, 1 + tokens // 16)))],
+    )
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # the step ahead: about a second of the device's time
+    ahead = torch.cuda.Event()
+    ahead.record()
+    ids, positions, meta = runner.tensors(step)
+    assert not ahead.query(), "the host waited for the step ahead to end"
+    torch.cuda.synchronize()
+    assert ids.tolist() == step.ids and positions.tolist() == step.positions
+    assert meta.slot_mapping.tolist() == step.slots
+    assert meta.block_tables.tolist() == [step.tables[0].ids]
+    assert meta.query_start_loc.tolist() == [0, tokens]
 
 
 @pytest.mark.parametrize(("hidden", "heads", "kv_heads"), [(256, 4, 1), (512, 4, 2)])

@@ -257,4 +257,7 @@ class ModelRunner:
         return self._tensor(step.ids), self._tensor(step.positions), meta
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        """Up from pinned memory without waiting: a copy from pageable memory waits for the
+        device's stream to drain, so a prefill launched while the decode step ahead still ran
+        would wait for that step's end."""
+        return upload(values, torch.int64, self.device)

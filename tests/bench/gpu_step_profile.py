@@ -22,12 +22,18 @@ stepped through their prefill and WARMUP decode steps, then:
   delivery of its tokens: detokenizing, the deltas), each phase's microseconds a step,
   nested ones inside their caller's (a timer costs about 0.3 µs a call, and delivery is one
   call a sequence);
-- on CUDA, PROFILED more steps under torch.profiler: the GPU's time per step (the kernels' and
-  copies' total), the GPU busy share (that over the host time), the device's gaps per step
+- on CUDA, PROFILED more steps under torch.profiler: the GPU's time per step (the union of
+  the kernels' and copies' spans: kernels launched as dependents overlap the one ahead, so
+  their sum, also given, counts some time twice), the GPU busy share (that over the host
+  time), the device's gaps per step
   (seams between kernels under SEAM_US, and idle time waiting for the host), and per step the
   kernels run, the launch calls the host made (kernel launches; graph launches apart),
   host-to-device copies and stream or device synchronisations, and the last step's kernels in
   order (`last_step`: which kernels a step is made of, what fused and what did not).
+
+Then the first token of one LONG_PROMPT-token prompt alone (gpu_serving.py's 8K case, without
+HTTP): its wall from submission to the token landed, the host phases of those steps, and on
+CUDA the GPU's busy time and kernels for it.
 
 On the CPU it reports host time only. Nothing asserts on time: it prints a table (stderr) and
 one JSON report (stdout, and under --out).
@@ -53,6 +59,8 @@ from flare.serve.runtime import GenerateRuntime, SamplingParams
 
 WIDTHS = (1, 16, 64)
 PROMPT = 32
+LONG_PROMPT = 8192
+PREFILLS = 3
 WARMUP = 8
 STEPS = 32
 PROFILED = 8
@@ -114,10 +122,48 @@ def profile_width(runtime: GenerateRuntime, n: int, device: str) -> dict[str, An
     return out
 
 
-def host_phases(engine: Any, n: int) -> dict[str, float]:
-    """STEPS engine steps of the n sequences decoding, with each phase of the host's work
-    timed where it is called: microseconds a step by phase (nested phases also count in their
-    caller's)."""
+def profile_prefill(runtime: GenerateRuntime, device: str) -> dict[str, Any]:
+    """One request of a LONG_PROMPT-token prompt (gpu_serving.py's first-token case) alone,
+    in-process: the wall from its submission to its one token landed (median of PREFILLS,
+    after one untimed), those steps' host phases, and on CUDA one more under the profiler:
+    how much of a first token is the GPU's, in which kernels."""
+    engine = runtime.engine
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    generator = torch.Generator().manual_seed(LONG_PROMPT)
+    length = min(LONG_PROMPT, runtime.context_length - 1)  # a tiny model's is shorter
+
+    def first_token() -> None:
+        prompt = torch.randint(2, runtime.vocab_size, (length,), generator=generator)
+        handle = runtime.submit(prompt.tolist(), params)
+        engine.step()  # takes the request from the engine's inbox and launches its prefill
+        while engine._busy():  # until the step that sampled its token has landed
+            engine.step()
+        if len([t for delta in handle for t in delta.token_ids]) != 1:
+            raise RuntimeError("the long prompt's request did not end with its one token")
+
+    walls = []
+    for _ in range(PREFILLS + 1):
+        started = time.perf_counter()
+        first_token()
+        walls.append(time.perf_counter() - started)
+    host = statistics.median(walls[1:])
+    out = {
+        "prompt": length,
+        "host_ms": round(1000 * host, 2),
+        "host_us": host_phases(engine, 0, steps=1, work=first_token),
+    }
+    if device == "cuda":
+        figures = kernel_figures(first_token, host, runs=1)
+        out |= {k: figures[k] for k in ("gpu_ms_per_step", "kernels_per_step", "top_kernels")}
+    return out
+
+
+def host_phases(
+    engine: Any, n: int, steps: int = STEPS, work: Callable[[], None] | None = None
+) -> dict[str, float]:
+    """`steps` runs of `work` (default: an engine step of the n sequences decoding), with
+    each phase of the host's work timed where it is called: microseconds a run by phase
+    (nested phases also count in their caller's)."""
     from flare.serve.engine import cuda_graphs
 
     spent: dict[str, float] = {}
@@ -142,14 +188,14 @@ def host_phases(engine: Any, n: int) -> dict[str, float]:
         for name, owner, attribute in phases:
             stack.enter_context(_timed(spent, name, owner, attribute))
         started = time.perf_counter()
-        for _ in range(STEPS):
-            engine.step()
+        for _ in range(steps):
+            (work or engine.step)()
         whole = time.perf_counter() - started
-    if engine.counters.generated_tokens - generated != n * STEPS:
+    if n and engine.counters.generated_tokens - generated != n * steps:
         raise RuntimeError("a step timed by phase was not a decode of every sequence")
     spent["land: device wait"] = engine.counters.device_wait_seconds - waited
     spent["step"] = whole
-    return {name: round(1e6 * seconds / STEPS, 1) for name, seconds in spent.items()}
+    return {name: round(1e6 * seconds / steps, 1) for name, seconds in spent.items()}
 
 
 @contextmanager
@@ -179,13 +225,13 @@ def _timed(spent: dict[str, float], name: str, owner: Any, attribute: str) -> It
 _MISSING = object()
 
 
-def kernel_figures(step: Any, host: float) -> dict[str, Any]:
-    """PROFILED steps under torch.profiler: GPU time, kernels and host calls, per step."""
+def kernel_figures(step: Any, host: float, runs: int = PROFILED) -> dict[str, Any]:
+    """`runs` steps under torch.profiler: GPU time, kernels and host calls, per step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILED):
+        for _ in range(runs):
             step()
         torch.cuda.synchronize()
     gpu_us = kernels = 0
@@ -208,57 +254,64 @@ def kernel_figures(step: Any, host: float) -> dict[str, Any]:
             ("syncs", SYNCS),
         ):
             calls[kind] += event.name in names
-    gpu_ms = gpu_us / 1000 / PROFILED
-    seams, idle = gaps(spans)
+    busy, seams, idle = gaps(spans)
+    gpu_ms = busy / 1000 / runs
     return {
         "gpu_ms_per_step": round(gpu_ms, 3),
+        "kernel_ms_sum_per_step": round(gpu_us / 1000 / runs, 3),
         "gpu_busy_share": round(gpu_ms / (1000 * host), 3),
-        "gpu_seams_ms_per_step": round(seams / 1000 / PROFILED, 3),
-        "gpu_idle_ms_per_step": round(idle / 1000 / PROFILED, 3),
-        "kernels_per_step": round(kernels / PROFILED, 1),
-        **{f"{kind}_per_step": round(count / PROFILED, 1) for kind, count in calls.items()},
-        "top_kernels": top_kernels(by_name),
-        "last_step": last_step(sequence),
+        "gpu_seams_ms_per_step": round(seams / 1000 / runs, 3),
+        "gpu_idle_ms_per_step": round(idle / 1000 / runs, 3),
+        "kernels_per_step": round(kernels / runs, 1),
+        **{f"{kind}_per_step": round(count / runs, 1) for kind, count in calls.items()},
+        "top_kernels": top_kernels(by_name, runs),
+        "last_step": last_step(sequence, runs),
     }
 
 
-def gaps(spans: list[tuple[float, float]]) -> tuple[float, float]:
-    """The device's time between its kernels and copies (microseconds), in two sums: seams,
-    gaps shorter than SEAM_US (one kernel ending, the next starting: inside a graph replay they
-    are the GPU's own cost, launch overhead that a graph does not remove), and idle, the longer
-    ones (the GPU waiting for the host). Overlapping spans are merged first."""
-    seams = idle = 0.0
-    end = None
+def gaps(spans: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """The device's busy time (microseconds: the union of its kernels' and copies' spans, as
+    kernels launched as dependents start before the one ahead ends and overlap it), and its
+    time between them in two sums: seams, gaps shorter than SEAM_US (one kernel ending, the
+    next starting: inside a graph replay they are the GPU's own cost, launch overhead that a
+    graph does not remove), and idle, the longer ones (the GPU waiting for the host)."""
+    busy = seams = idle = 0.0
+    begin = end = None
     for start, stop in sorted(spans):
         if end is not None and start > end:
+            busy += end - begin
             gap = start - end
             if gap < SEAM_US:
                 seams += gap
             else:
                 idle += gap
+            begin = None
+        begin = start if begin is None else begin
         end = stop if end is None else max(end, stop)
-    return seams, idle
+    if end is not None:
+        busy += end - begin
+    return busy, seams, idle
 
 
-def top_kernels(by_name: dict[str, list[float]]) -> list[dict[str, Any]]:
+def top_kernels(by_name: dict[str, list[float]], runs: int) -> list[dict[str, Any]]:
     """The TOP kernels by GPU time per step: name (cut), runs and microseconds per step."""
     ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:TOP]
     return [
         {
             "name": name[:90],
-            "runs_per_step": round(len(times) / PROFILED, 1),
-            "us_per_step": round(sum(times) / PROFILED, 1),
+            "runs_per_step": round(len(times) / runs, 1),
+            "us_per_step": round(sum(times) / runs, 1),
             "us_each": round(statistics.mean(times), 2),
         }
         for name, times in ranked
     ]
 
 
-def last_step(sequence: list[tuple[float, str, float]]) -> list[list[Any]]:
+def last_step(sequence: list[tuple[float, str, float]], runs: int) -> list[list[Any]]:
     """The last profiled step's device work in order, [name, microseconds] each: which
     kernels a step is made of, what fused and what did not."""
     ordered = sorted(sequence)
-    return [[name[:120], round(us, 2)] for _, name, us in ordered[-(len(ordered) // PROFILED) :]]
+    return [[name[:120], round(us, 2)] for _, name, us in ordered[-(len(ordered) // runs) :]]
 
 
 def table(reports: list[dict[str, Any]]) -> str:
@@ -307,6 +360,7 @@ def measure(args: argparse.Namespace, name: str, env: dict[str, str], work: Path
         report["paths"][path] = {
             "start": runtime.start_report.describe(),
             "widths": profile_path(runtime, args.device),
+            "prefill": profile_prefill(runtime, args.device),
             "compilations_after_ready": runtime.compilations_since_ready().total,
         }
         runtime.stop()
