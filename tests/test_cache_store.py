@@ -8,21 +8,11 @@ installed and TRITON_INTERPRET=1 is set (`TRITON_INTERPRET=1 pytest tests/test_c
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
+from kernel_env import DEVICE, DTYPE, needs_kernel
 
 from flare.serve.engine.cache_store import apply_rotary, rotate_and_store, rotate_and_store_rows
-
-TRITON = importlib.util.find_spec("triton") is not None
-CUDA = torch.cuda.is_available() and TRITON
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-KERNEL = CUDA or (TRITON and os.environ.get("TRITON_INTERPRET") == "1")
-KERNEL_DTYPE = torch.bfloat16 if CUDA else torch.float16
-"""bf16 as a model serves; the interpreter's NumPy has no bf16, so half there."""
-needs_kernel = pytest.mark.skipif(not KERNEL, reason="needs CUDA and Triton (or its interpreter)")
 
 
 def _step(
@@ -84,7 +74,7 @@ def test_each_token_lands_rotated_in_its_slot_and_nothing_else_changes() -> None
     [(1, 32, 8, 64), (3, 32, 8, 128), (17, 12, 2, 64), (2, 6, 6, 32), (4, 14, 2, 80)],
     ids=["1b-decode", "8b", "qwen-like", "no-grouping", "dim-80"],
 )
-@pytest.mark.parametrize("dtype", [KERNEL_DTYPE, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [DTYPE, torch.float32], ids=str)
 def test_the_kernel_rounds_as_torch_eager_ops_do_bit_for_bit(
     tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype
 ) -> None:

@@ -7,22 +7,14 @@ TRITON_INTERPRET=1 is set (`TRITON_INTERPRET=1 pytest tests/test_graph_step.py`)
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
+from kernel_env import DEVICE, DTYPE, needs_kernel
 
 from flare.serve.engine.graph_step import pick_rows, pick_scratch, take_inputs
 from flare.serve.engine.sampler import row_max
 
-TRITON = importlib.util.find_spec("triton") is not None
-CUDA = torch.cuda.is_available() and TRITON
-DEVICE = "cuda" if CUDA else "cpu"
-KERNEL = CUDA or (TRITON and os.environ.get("TRITON_INTERPRET") == "1")
-DTYPE = torch.bfloat16 if CUDA else torch.float16
-"""bf16 as a model serves; the interpreter's NumPy has no bf16, so half there."""
-pytestmark = pytest.mark.skipif(not KERNEL, reason="needs CUDA and Triton (or its interpreter)")
+pytestmark = needs_kernel
 
 
 def _picked(logits: torch.Tensor, scratch: torch.Tensor) -> tuple[torch.Tensor, ...]:
