@@ -23,7 +23,8 @@ On a GPU host every call into the CUDA driver costs the engine thread tens of mi
 - the graph itself moves the staged values into the forward's inputs (a pending token read
   where the step before sampled it, on the device), runs the forward, and finds each row's
   maximum and its index (greedy sampling's answer, and each row's trust) beside the logits,
-  writing them side by side for one copy to the host;
+  writing them side by side for one copy to the host (a kernel each side of the forward:
+  graph_step.py);
 - so a greedy step is: one copy in, FlashInfer's plan, one replay, one copy out.
 
 The engine launches a step while the step before still runs, so the pinned buffers are
