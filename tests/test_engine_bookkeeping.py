@@ -268,3 +268,30 @@ def test_a_preempted_sequence_comes_back_as_a_prefill_from_its_surviving_blocks(
     batch = step(s)
     assert batch.prefill and ids(batch.seqs) == ids([b])
     assert b.num_cached_tokens == 4  # its first block was still cached; the rest recomputed
+
+
+# -- a prefill step's input ------------------------------------------------------------------
+
+
+def test_a_prefills_kv_slots_are_each_positions_slot_from_any_cached_start() -> None:
+    """The slots a prefill writes, taken a block's run at a time, are position p's block's
+    slot p % block size for every position after the cached prefix, whether that prefix ends
+    inside a block, on its edge, or is empty."""
+    import random
+
+    import torch
+
+    from flare.serve.engine.runner import ModelRunner
+
+    runner = ModelRunner(None, None, BLOCK, torch.device("cpu"))  # type: ignore[arg-type]
+    blocks = BlockManager(num_blocks=100, block_size=BLOCK)
+    chooser = random.Random(5)
+    for length in (1, 3, 4, 5, 17, 40):
+        blocks.allocate(seq(chooser.sample(range(1000), chooser.randrange(1, 30))))
+        s = seq(chooser.sample(range(1000), length))  # blocks not in order, nor from 0
+        blocks.allocate(s)
+        for cached in sorted({0, length - 1, length // 2, (length - 1) // BLOCK * BLOCK}):
+            s.num_cached_tokens = cached
+            slots = runner.step_input([s], prefill=True).slots
+            want = [s.block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached, length)]
+            assert slots == want, (length, cached)

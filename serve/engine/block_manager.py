@@ -9,6 +9,7 @@ recomputing it, until it is evicted by being handed out for other tokens (oldest
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,10 +24,18 @@ class Block:
     hash: bytes | None = None
 
 
+TOKEN = "I"
+"""A token id in a block's name: an unsigned 32-bit int (array's "I" is 4 bytes on the
+platforms torch runs on; checked below), in the host's byte order (names live in one
+process)."""
+assert array(TOKEN).itemsize == 4
+
+
 def chain_hash(previous: bytes | None, token_ids: list[int]) -> bytes:
-    """A block's name: its tokens and everything before them."""
+    """A block's name: its tokens and everything before them (an 8K-token prompt's 512
+    names took 1.2 ms with the bytes built a token at a time)."""
     h = hashlib.blake2b(previous or b"", digest_size=16)
-    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    h.update(array(TOKEN, token_ids).tobytes())
     return h.digest()
 
 
