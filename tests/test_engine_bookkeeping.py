@@ -4,9 +4,13 @@ append one sampled token to each of its sequences."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 
+import torch
+
 from flare.serve.engine.block_manager import BlockManager
+from flare.serve.engine.runner import ModelRunner
 from flare.serve.engine.scheduler import ScheduledBatch, Scheduler
 from flare.serve.engine.sequence import SamplingParams, Sequence, Status
 
@@ -277,12 +281,6 @@ def test_a_prefills_kv_slots_are_each_positions_slot_from_any_cached_start() -> 
     """The slots a prefill writes, taken a block's run at a time, are position p's block's
     slot p % block size for every position after the cached prefix, whether that prefix ends
     inside a block, on its edge, or is empty."""
-    import random
-
-    import torch
-
-    from flare.serve.engine.runner import ModelRunner
-
     runner = ModelRunner(None, None, BLOCK, torch.device("cpu"))  # type: ignore[arg-type]
     blocks = BlockManager(num_blocks=100, block_size=BLOCK)
     chooser = random.Random(5)

@@ -158,7 +158,8 @@ class Engine:
         for request in list(self._requests.values()):
             request.handle.push(error)
 
-    def _busy(self) -> bool:
+    def busy(self) -> bool:
+        """Whether a request waits or runs, or a step is in flight (not yet landed)."""
         return self.scheduler.has_work() or self._flight is not None
 
     def _post(self, action: Callable[[], None]) -> None:
@@ -169,7 +170,7 @@ class Engine:
 
     def _loop(self) -> None:
         name_os_thread(ENGINE_THREAD)
-        while not (self._draining and not self._busy()):
+        while not (self._draining and not self.busy()):
             self._wake.wait()
             started = time.perf_counter()
             try:
@@ -180,7 +181,7 @@ class Engine:
             if self.after_step is not None:
                 self.after_step()
             self.counters.step_seconds += time.perf_counter() - started
-            if not self._busy() and self._inbox.empty():
+            if not self.busy() and self._inbox.empty():
                 self._wake.clear()
                 if not self._inbox.empty():  # posted between the check and the clear
                     self._wake.set()

@@ -136,7 +136,7 @@ def profile_prefill(runtime: GenerateRuntime, device: str) -> dict[str, Any]:
         prompt = torch.randint(2, runtime.vocab_size, (length,), generator=generator)
         handle = runtime.submit(prompt.tolist(), params)
         engine.step()  # takes the request from the engine's inbox and launches its prefill
-        while engine._busy():  # until the step that sampled its token has landed
+        while engine.busy():  # until the step that sampled its token has landed
             engine.step()
         if len([t for delta in handle for t in delta.token_ids]) != 1:
             raise RuntimeError("the long prompt's request did not end with its one token")
@@ -275,21 +275,18 @@ def gaps(spans: list[tuple[float, float]]) -> tuple[float, float, float]:
     time between them in two sums: seams, gaps shorter than SEAM_US (one kernel ending, the
     next starting: inside a graph replay they are the GPU's own cost, launch overhead that a
     graph does not remove), and idle, the longer ones (the GPU waiting for the host)."""
-    busy = seams = idle = 0.0
-    begin = end = None
-    for start, stop in sorted(spans):
+    seams = idle = 0.0
+    end = None
+    ordered = sorted(spans)
+    for start, stop in ordered:
         if end is not None and start > end:
-            busy += end - begin
             gap = start - end
             if gap < SEAM_US:
                 seams += gap
             else:
                 idle += gap
-            begin = None
-        begin = start if begin is None else begin
         end = stop if end is None else max(end, stop)
-    if end is not None:
-        busy += end - begin
+    busy = end - ordered[0][0] - seams - idle if ordered else 0.0
     return busy, seams, idle
 
 
