@@ -45,6 +45,7 @@ to -mamx-fp16): a kernel built where one is present may need it where it runs.""
 FORWARD_SOURCES = (
     "serve/models/llama.py",
     "serve/models/rms_norm.py",
+    "serve/models/activation.py",
     "serve/models/linear.py",
     "serve/engine/attention_op.py",
     "serve/engine/runner.py",

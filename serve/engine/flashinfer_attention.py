@@ -103,7 +103,10 @@ class FlashInferPagedAttention:
     ) -> torch.Tensor:
         assert self._meta is not None, "plan() must run before attend()"
         q, k_cache, v_cache = self.cache.store(layer, self._meta.slot_mapping, q, kv, rotary)
-        return self._wrapper.run(q, (k_cache.view(self.pages), v_cache.view(self.pages)))
+        pages = (k_cache.view(self.pages), v_cache.view(self.pages))
+        if self._wrapper is self._prefill:  # unasked, its output is zero-filled first
+            return self._prefill.run(q, pages, out=q.new_empty(q.shape))
+        return self._wrapper.run(q, pages)
 
 
 class FlashInferGraphDecode:

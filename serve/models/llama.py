@@ -32,6 +32,7 @@ from torch import nn
 
 from flare.errors import InvalidInputError
 from flare.serve.engine.attention import AttentionBackend, AttentionSpec
+from flare.serve.models.activation import silu_mul
 from flare.serve.models.files import load_by_name
 from flare.serve.models.fused import FusedRows, Parts
 from flare.serve.models.linear import linear
@@ -192,8 +193,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(gate_up))
 
     def fused_rows(self) -> dict[str, tuple[tuple[str, int], ...]]:
         """The fused projection's checkpoint parts and this rank's rows of each, in order."""

@@ -325,6 +325,20 @@ def top_frames(raw: Path, count: int = 30) -> dict[str, Any]:
     return {"samples": total, "inclusive": ranked(inclusive), "own": ranked(own)}
 
 
+def tokenize_ms(checkpoint: Path, prompt: str) -> float:
+    """What tokenizing the first-token case's prompt costs on this host (the API process does
+    it before the engine sees the request): the median of five."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    walls = []
+    for _ in range(5):
+        started = time.perf_counter()
+        tokenizer.encode(prompt)
+        walls.append(time.perf_counter() - started)
+    return round(1000 * statistics.median(walls), 2)
+
+
 def in_process_figures(env: dict[str, str], name: str, device: str) -> dict[str, Any]:
     """The built package loaded in this process, from the served home, and profiled per
     decode width (gpu_step_profile.py's figures, less each step's kernel list)."""
@@ -409,6 +423,7 @@ def measure(shape_name: str, args: argparse.Namespace, work: Path) -> dict[str, 
     print(f"{shape_name}: built in {report['build_s']} s", file=sys.stderr)
     report["phases"] = {p["name"]: round(p["seconds"], 2) for p in built["phases"]}
     report["flare"] = flare_figures(env, shape_name, args.device, args.py_spy, args.out)
+    report["flare"]["tokenize_8k_ms"] = tokenize_ms(folder / "ckpt", prompt_of(LONG_PROMPT, 50))
     http = {k: v for k, v in report["flare"].items() if k != "greedy"}
     print(f"{shape_name}: flare over HTTP {http}", file=sys.stderr)
     if not args.skip_in_process:
