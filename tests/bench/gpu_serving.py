@@ -285,17 +285,24 @@ def engine_loop(before: dict[str, float], url: str) -> dict[str, float]:
 
 @contextmanager
 def engine_profile(server_pid: int, spy: Path | None, raw: Path | None) -> Iterator[dict[str, Any]]:
-    """py-spy on the server's engine process for the length of the block, where `raw` says
+    """py-spy on the server's engine process for the length of the block (see `py_spy`)."""
+    engines = spawned_children(server_pid)
+    with py_spy(engines[0] if engines else None, spy, raw) as found:
+        yield found
+
+
+@contextmanager
+def py_spy(pid: int | None, spy: Path | None, raw: Path | None) -> Iterator[dict[str, Any]]:
+    """py-spy on process `pid` (this one too) for the length of the block, where `raw` says
     where its samples go (and `spy` is given); once the block ends, the yielded dict holds
     the frames with the most samples (or why there are none)."""
     found: dict[str, Any] = {}
-    engines = spawned_children(server_pid)
-    if spy is None or raw is None or not engines:
+    if spy is None or raw is None or pid is None:
         yield found
         return
-    command = [str(spy), "record", "-p", str(engines[0]), "-r", "500", "-f", "raw", "-o", str(raw)]
+    command = [str(spy), "record", "-p", str(pid), "-r", "500", "-f", "raw", "-o", str(raw)]
     spying = subprocess.Popen([*command, "--nonblocking"], stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)  # attached before the load starts
+    time.sleep(0.5)  # attached before the work starts
     try:
         yield found
     finally:

@@ -33,7 +33,8 @@ stepped through their prefill and WARMUP decode steps, then:
 
 Then the first token of one LONG_PROMPT-token prompt alone (gpu_serving.py's 8K case, without
 HTTP): its wall from submission to the token landed, the host phases of those steps, and on
-CUDA the GPU's busy time and kernels for it.
+CUDA the GPU's busy time and kernels for it; with `--py-spy BIN`, py-spy's frames with the
+most samples over a few more (where a prefill's launch spends its host time).
 
 On the CPU it reports host time only. Nothing asserts on time: it prints a table (stderr) and
 one JSON report (stdout, and under --out).
@@ -42,6 +43,7 @@ one JSON report (stdout, and under --out).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -52,7 +54,7 @@ from typing import Any
 
 import torch
 from gpu_package import publish
-from gpu_serving import SHAPES, make_checkpoint
+from gpu_serving import SHAPES, make_checkpoint, py_spy
 from runtime_package import PATHS, build, load, scratch_home
 
 from flare.serve.runtime import GenerateRuntime, SamplingParams
@@ -122,11 +124,14 @@ def profile_width(runtime: GenerateRuntime, n: int, device: str) -> dict[str, An
     return out
 
 
-def profile_prefill(runtime: GenerateRuntime, device: str) -> dict[str, Any]:
+def profile_prefill(
+    runtime: GenerateRuntime, device: str, spy: Path | None = None, raw: Path | None = None
+) -> dict[str, Any]:
     """One request of a LONG_PROMPT-token prompt (gpu_serving.py's first-token case) alone,
     in-process: the wall from its submission to its one token landed (median of PREFILLS,
     after one untimed), those steps' host phases, and on CUDA one more under the profiler:
-    how much of a first token is the GPU's, in which kernels."""
+    how much of a first token is the GPU's, in which kernels. With py-spy (`spy`, its samples
+    to `raw`), PREFILLS more under it: where the host's time in them goes, by frame."""
     engine = runtime.engine
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     generator = torch.Generator().manual_seed(LONG_PROMPT)
@@ -155,6 +160,11 @@ def profile_prefill(runtime: GenerateRuntime, device: str) -> dict[str, Any]:
     if device == "cuda":
         figures = kernel_figures(first_token, host, runs=1)
         out |= {k: figures[k] for k in ("gpu_ms_per_step", "kernels_per_step", "top_kernels")}
+    if spy is not None:
+        with py_spy(os.getpid(), spy, raw) as frames:
+            for _ in range(PREFILLS):
+                first_token()
+        out["py_spy"] = frames
     return out
 
 
@@ -357,7 +367,9 @@ def measure(args: argparse.Namespace, name: str, env: dict[str, str], work: Path
         report["paths"][path] = {
             "start": runtime.start_report.describe(),
             "widths": profile_path(runtime, args.device),
-            "prefill": profile_prefill(runtime, args.device),
+            "prefill": profile_prefill(
+                runtime, args.device, args.py_spy, work / f"prefill_{name}_{path}.raw"
+            ),
             "compilations_after_ready": runtime.compilations_since_ready().total,
         }
         runtime.stop()
@@ -371,6 +383,7 @@ def main() -> int:
     parser.add_argument("--target", default=None, help="the build target (default: the device)")
     parser.add_argument("--paths", default=",".join(p for p, _ in PATHS), help="decode paths")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--py-spy", type=Path, default=None, help="profile the prefills with it")
     args = parser.parse_args()
     args.target = args.target or args.device
     with scratch_home("flare-gpu-step-profile-") as (work, env):
