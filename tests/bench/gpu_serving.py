@@ -14,8 +14,9 @@ N words is N tokens and every sampled id decodes), then
   client processes, tokens counted from the server's usage figures: tests/bench/stream_load.py;
   each width run twice, new prompts each time, the second run's rate reported, the first's
   kept beside it: a width's first load may pay for what the server meets for the first time), the
-  first token of an 8K-token prompt, greedy continuations beside transformers', and the
-  compilations counted after ready (`/metrics`);
+  first token of an 8K-token prompt (and what tokenizing that prompt costs on this host,
+  `tokenize_8k_ms`: by `encode`, and the server's way), greedy continuations beside
+  transformers', and the compilations counted after ready (`/metrics`);
 - then the same package loaded in this process (unless --skip-in-process), its engine stepped
   as tests/bench/gpu_step_profile.py does: host and GPU time per decode step at 1, 16 and 64
   sequences, so that the HTTP figures of the same run can be set against the engine's own
