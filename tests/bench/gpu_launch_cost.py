@@ -19,11 +19,11 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from common import timed
 
 CALLS = 2000
 REPEATS = 5
@@ -31,13 +31,15 @@ REPEATS = 5
 
 def per_call_us(call: Callable[[], object]) -> float:
     """The host's microseconds a call: the median round, after one round of warm-up."""
+
+    def round_of_calls() -> None:
+        for _ in range(CALLS):
+            call()
+
     rounds = []
     for _ in range(REPEATS + 1):
         torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(CALLS):
-            call()
-        rounds.append((time.perf_counter() - started) / CALLS * 1e6)
+        rounds.append(timed(round_of_calls) / CALLS * 1e6)
     torch.cuda.synchronize()
     return round(statistics.median(rounds[1:]), 2)
 

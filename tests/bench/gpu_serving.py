@@ -48,6 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tests' helpers
 
+from common import timed
 from gpu_package import flare, publish, require, start_server
 from helpers import spawned_children
 from stream_load import one_stream, streams
@@ -342,16 +343,14 @@ def tokenize_ms(checkpoint: Path, prompt: str) -> dict[str, float]:
     from flare.serve.prompts import token_ids
 
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-    ways = {"encode": tokenizer.encode, "server": lambda text: token_ids(tokenizer, text, True)}
-    figures = {}
-    for name, way in ways.items():
-        walls = []
-        for _ in range(5):
-            started = time.perf_counter()
-            way(prompt)
-            walls.append(time.perf_counter() - started)
-        figures[f"{name}_ms"] = round(1000 * statistics.median(walls), 2)
-    return figures
+    ways = {
+        "encode": lambda: tokenizer.encode(prompt),
+        "server": lambda: token_ids(tokenizer, prompt, True),
+    }
+    return {
+        f"{name}_ms": round(1000 * statistics.median(timed(way) for _ in range(5)), 2)
+        for name, way in ways.items()
+    }
 
 
 def in_process_figures(env: dict[str, str], name: str, device: str) -> dict[str, Any]:
