@@ -104,6 +104,8 @@ class StartReport:
     """What the start made (nothing compiled, for a package's matching compiled forward)."""
     graphs: GraphReport | None = None
     """The decode steps' CUDA graphs, once captured."""
+    prefill_graphs: GraphReport | None = None
+    """The prefill steps' CUDA graphs, once captured."""
 
     def describe(self) -> str:
         """How the forward runs and what its start made."""
@@ -128,8 +130,8 @@ class StartReport:
         took, the copies into the model included), says how near the disk's speed the load
         came; `launched`, the seconds since the command began (its imports included), what
         a user waits."""
-        graphs = self.graphs.seconds if self.graphs is not None else 0.0
-        rest = load - self.artifacts - self.warm_up - graphs
+        captured = [report for report in (self.graphs, self.prefill_graphs) if report]
+        rest = load - self.artifacts - self.warm_up - sum(g.seconds for g in captured)
         parts = f"pull {pull:.2f} s, load {rest:.2f} s"
         if weights is not None and weights.seconds > 0:
             rate = decimal(int(weights.size / weights.seconds))
@@ -137,10 +139,8 @@ class StartReport:
         if self.forward != "eager":
             parts += f", artifacts {self.artifacts:.2f} s, warm-up {self.warm_up:.2f} s"
         if self.graphs is not None:
-            sizes = self.graphs.sizes
-            parts += (
-                f", CUDA graphs {self.graphs.seconds:.2f} s "
-                f"({len(sizes)} decode batch sizes, 1 to {sizes[-1]})"
-            )
+            parts += f", CUDA graphs {self.graphs.seconds:.2f} s ({self.graphs.describe()})"
+        if self.prefill_graphs is not None:
+            parts += f", {self.prefill_graphs.describe()}"
         since = f" ({launched:.2f} s after the command began)" if launched is not None else ""
         return f"ready in {total:.2f} s{since}: {parts}; {self.describe()}"

@@ -35,6 +35,7 @@ from flare.serve.engine.cuda_graphs import DecodeGraphs
 from flare.serve.engine.engine import Engine, EngineStopping
 from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention
 from flare.serve.engine.output import Delta, RequestFailed, RequestHandle
+from flare.serve.engine.prefill_graphs import PrefillGraphs
 from flare.serve.engine.runner import ModelRunner
 from flare.serve.engine.scheduler import Scheduler
 from flare.serve.engine.sequence import SamplingParams, TokenLogprob
@@ -298,6 +299,7 @@ class GenerateRuntime(Runtime):
         options = package.manifest.options
         max_concurrency = int(options.get("max_concurrency", MAX_NUM_SEQS))
         blocks = BlockManager(usable, block, reuse_prefixes=not batch_invariant)
+        batched_tokens = int(options.get("prefill_chunk", MAX_BATCHED_TOKENS))
         if ranks is not None:
             group, on_failure = ranks
             runner: ModelRunner = LeaderRunner(
@@ -310,15 +312,12 @@ class GenerateRuntime(Runtime):
                 model, attention, block, device, prepared, blocks
             )
             if graphs is not None:
-                pages = max_concurrency * -(-self.context_length // block)
-                replay = DecodeGraphs(runner.forward, graphs, max_concurrency, pages, usable)
-                self.start_report.graphs = replay.capture()
+                shape = (max_concurrency, batched_tokens, usable)
+                self._capture_graphs(runner, graphs, *shape, prefills=not batch_invariant)
                 self.start_report.compilations = compilations.snapshot() - before
-                runner.graphs = replay
         self.runner = runner
         self.rank_reports: dict[int, dict[str, float]] = {}
         """Each rank's load: seconds, weight and KV bytes (set once every rank is ready)."""
-        batched_tokens = int(options.get("prefill_chunk", MAX_BATCHED_TOKENS))
         scheduler = Scheduler(
             blocks,
             max_concurrency,
@@ -327,6 +326,28 @@ class GenerateRuntime(Runtime):
         )
         self.engine = Engine(runner, scheduler, self.tokenizer, self.eos_token_ids)
         self._ready = compilations.snapshot()
+
+    def _capture_graphs(
+        self,
+        runner: ModelRunner,
+        attention: FlashInferPagedAttention,
+        max_concurrency: int,
+        batched_tokens: int,
+        pad_block: int,
+        prefills: bool,
+    ) -> None:
+        """Capture the decode steps' CUDA graphs, then, with `prefills`, the prefill steps'
+        into the same memory pool (not with batch invariance: a padded step's products need
+        not be the unpadded step's), for `runner` to replay the steps they fit."""
+        pages = max_concurrency * -(-self.context_length // attention.block_size)
+        decode = DecodeGraphs(runner.forward, attention, max_concurrency, pages, pad_block)
+        self.start_report.graphs = decode.capture()
+        runner.graphs = decode
+        if prefills:
+            shape = (max_concurrency, batched_tokens, pages, pad_block)
+            prefill = PrefillGraphs(runner.forward, attention, *shape)
+            self.start_report.prefill_graphs = prefill.capture(decode.pool)
+            runner.prefills = prefill
 
     def start(self) -> None:
         self.engine.start()
@@ -529,7 +550,8 @@ def _memory_plan(
     cache = workspace = graph_bytes = 0
     if isinstance(runtime, GenerateRuntime):
         graphs = runtime.start_report.graphs
-        graph_bytes = graphs.bytes if graphs is not None else 0
+        captured = (graphs, runtime.start_report.prefill_graphs)
+        graph_bytes = sum(report.bytes for report in captured if report is not None)
         backend = runtime.runner.attention
         cache, workspace = backend.cache.nbytes, backend.workspace_bytes
         stats = runtime.kv_stats()

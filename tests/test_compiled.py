@@ -353,7 +353,7 @@ def test_artifacts_for_another_toolchain_are_refused_unless_compiled_on_start(
     try:
         compiled = r"forward compiled at start in [\d.]+ s: 3 traced, 3 compiled"
         assert re.search(compiled, server.ready)
-        assert re.search(r"[1-9]\d* kernels built \(\w+\.cpp", server.ready), server.ready
+        assert re.search(r"[1-9]\d* kernels built \([\w.]+\.cpp", server.ready), server.ready
         reply = httpx.post(
             f"{server.url}/completions",
             json={"model": "llamaforcausallm", "prompt": [5, 6, 7], "max_tokens": 8},

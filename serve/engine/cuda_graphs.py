@@ -30,14 +30,14 @@ On a GPU host every call into the CUDA driver costs the engine thread tens of mi
 The engine launches a step while the step before still runs, so the pinned buffers are
 written again only once the copies out of them for the step before have run (an event after
 them), and the tokens are read back through two pinned buffers in turn (a step's tokens are
-read before the step after the next is launched). Prefill steps, and decode batches larger
-than the largest graph, run the forward as before.
+read before the step after the next is launched). Prefill steps have graphs of their own
+(prefill_graphs.py); decode batches larger than the largest graph run the forward as before.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -73,9 +73,22 @@ class GraphReport:
     """What capture made, for the ready line and the memory plan."""
 
     sizes: list[int]
+    """Decode batch sizes; for prefill graphs, their token counts."""
     seconds: float
     bytes: int
     """Device memory the capture took: the graphs' pool, their wrappers' buffers."""
+    kind: str = "decode"
+    sequences: list[int] = field(default_factory=list)
+    """Prefill graphs' sequence counts (each holds one sequence of padding at least)."""
+
+    def describe(self) -> str:
+        """What was captured, for the ready line."""
+        if self.kind == "decode":
+            return f"{len(self.sizes)} decode batch sizes, 1 to {self.sizes[-1]}"
+        return (
+            f"prefill graphs {self.seconds:.2f} s (up to {self.sequences[-1] - 1} sequences "
+            f"and {self.sizes[-1]} tokens)"
+        )
 
 
 STAGED = 4
@@ -106,6 +119,8 @@ class DecodeGraphs:
         self._copied: torch.cuda.Event | None = None
         """Recorded after the last step's copies out of the pinned buffers."""
         self._replays = 0
+        self.pool: tuple[int, int] | None = None
+        """The graphs' memory pool, once captured (the prefill graphs share it)."""
 
     def _allocate(self, max_pages: int) -> None:
         """The static buffers every graph reads, on the device, and their pinned host twins."""
@@ -148,10 +163,9 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         free, _ = torch.cuda.mem_get_info(device)
         started = time.perf_counter()
-        pool = None
         for size in reversed(self.sizes):
-            self._graphs[size] = self._capture(size, pool)
-            pool = self._graphs[size].graph.pool()
+            self._graphs[size] = self._capture(size, self.pool)
+            self.pool = self._graphs[size].graph.pool()
         torch.cuda.synchronize(device)
         taken = free - torch.cuda.mem_get_info(device)[0]
         return GraphReport(self.sizes, time.perf_counter() - started, max(0, taken))

@@ -163,6 +163,75 @@ class FlashInferGraphDecode:
         return self._decode.run(q, (k_cache.view(pages), v_cache.view(pages)))
 
 
+class FlashInferGraphPrefill:
+    """Prefill steps of a fixed number of sequences, as a CUDA graph captures them
+    (prefill_graphs.py): FlashInfer's prefill wrapper in its CUDA-graph mode, whose page table
+    lives in buffers of fixed size and address that `plan` refills on the host before each
+    replay, and whose work split is made for the most query rows it is first planned with (a
+    fixed grid; the rows a step has are read from the buffers), and new keys and values stored
+    through a fixed slot buffer the caller fills. Shares the cache and the workspace of
+    `base` (one step runs at a time)."""
+
+    workspace_bytes = 0
+
+    def __init__(
+        self,
+        base: FlashInferPagedAttention,
+        sequences: int,
+        slots: torch.Tensor,
+        indices: torch.Tensor,
+    ) -> None:
+        """`slots` ([rows] int64, its first rows a step's) and `indices` (int32, room for
+        every page a step may name) are on the device."""
+        import flashinfer
+
+        self.base, self.cache, self.slots = base, base.cache, slots
+        device = slots.device
+
+        def table(length: int) -> torch.Tensor:
+            return torch.zeros(length, dtype=torch.int32, device=device)
+
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            base.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=table(sequences + 1),
+            paged_kv_indptr_buf=table(sequences + 1),
+            paged_kv_indices_buf=indices,
+            paged_kv_last_page_len_buf=table(sequences),
+        )
+
+    def plan_pages(
+        self,
+        qo_indptr: torch.Tensor,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> None:
+        """The step's query offsets and page table: all on the host (pinned) but `indices`,
+        already on the device, so nothing here waits for the GPU."""
+        base = self.base
+        self._prefill.plan(
+            qo_indptr,
+            indptr,
+            indices,
+            last,
+            *base.plan_shape(),
+            causal=True,
+            **base.plan_kinds(),
+            seq_lens=lengths,
+        )
+
+    def attend(
+        self, layer: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, rotary: torch.Tensor
+    ) -> torch.Tensor:
+        slots = self.slots[: len(q)]
+        q, k_cache, v_cache = self.cache.store(layer, slots, q, kv, rotary)
+        pages = (k_cache.view(self.base.pages), v_cache.view(self.base.pages))
+        return self._prefill.run(q, pages, out=q.new_empty(q.shape))
+
+
 def page_table(
     context_lens: list[int], tables: list[list[int]], block_size: int
 ) -> tuple[list[int], list[int], list[int]]:

@@ -114,8 +114,9 @@ class StepLogits:
     maxima: RowMaxima | None = None
 
 
-class DecodeReplay(Protocol):
-    """Decode steps replayed from captured CUDA graphs (cuda_graphs.py)."""
+class StepReplay(Protocol):
+    """Steps replayed from captured CUDA graphs: decode steps (cuda_graphs.py), prefill
+    steps (prefill_graphs.py)."""
 
     def fits(self, step: StepInput) -> bool:
         """Whether a captured graph can run this step."""
@@ -169,8 +170,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.forward = forward or EagerForward(model)
-        self.graphs: DecodeReplay | None = None
+        self.graphs: StepReplay | None = None
         """Set once decode graphs are captured; the steps they fit replay them."""
+        self.prefills: StepReplay | None = None
+        """Likewise, prefill graphs."""
 
     def run(
         self, seqs: list[Sequence], prefill: bool, fresh: FreshTokens | None = None
@@ -182,8 +185,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, step: StepInput, fresh: FreshRows | None = None) -> StepLogits:
         """The forward of one step's batch, however it was scheduled."""
-        if self.graphs is not None and self.graphs.fits(step):
-            return self.graphs.run(step, fresh)
+        for replay in (self.graphs, self.prefills):
+            if replay is not None and replay.fits(step):
+                return replay.run(step, fresh)
         input_ids, positions, meta = self.tensors(step)
         if fresh is not None:
             fresh.write(input_ids)

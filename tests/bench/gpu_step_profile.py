@@ -62,6 +62,8 @@ from flare.serve.runtime import GenerateRuntime, SamplingParams
 WIDTHS = (1, 16, 64)
 PROMPT = 32
 LONG_PROMPT = 8192
+SHORT_PREFILL = (16, PROMPT)
+"""The 16-stream case's first tokens: 16 prompts prefilled together."""
 PREFILLS = 3
 WARMUP = 8
 STEPS = 32
@@ -125,26 +127,34 @@ def profile_width(runtime: GenerateRuntime, n: int, device: str) -> dict[str, An
 
 
 def profile_prefill(
-    runtime: GenerateRuntime, device: str, spy: Path | None = None, raw: Path | None = None
+    runtime: GenerateRuntime,
+    device: str,
+    spy: Path | None = None,
+    raw: Path | None = None,
+    prompts: tuple[int, int] = (1, LONG_PROMPT),
 ) -> dict[str, Any]:
-    """One request of a LONG_PROMPT-token prompt (gpu_serving.py's first-token case) alone,
-    in-process: the wall from its submission to its one token landed (median of PREFILLS,
-    after one untimed), those steps' host phases, and on CUDA one more under the profiler:
-    how much of a first token is the GPU's, in which kernels. With py-spy (`spy`, its samples
-    to `raw`), PREFILLS more under it: where the host's time in them goes, by frame."""
+    """`prompts` (count, tokens: by default one LONG_PROMPT-token prompt, gpu_serving.py's
+    first-token case) submitted together, in-process: the wall from their submission to
+    their one token each landed (median of PREFILLS, after one untimed), those steps' host
+    phases, and on CUDA one more under the profiler: how much of a first token is the GPU's,
+    in which kernels. With py-spy (`spy`, its samples to `raw`), PREFILLS more under it:
+    where the host's time in them goes, by frame."""
     engine = runtime.engine
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     generator = torch.Generator().manual_seed(LONG_PROMPT)
-    length = min(LONG_PROMPT, runtime.context_length - 1)  # a tiny model's is shorter
+    count, length = prompts[0], min(prompts[1], runtime.context_length - 1)  # a tiny model's
 
     def first_token() -> None:
-        prompt = torch.randint(2, runtime.vocab_size, (length,), generator=generator)
-        handle = runtime.submit(prompt.tolist(), params)
-        engine.step()  # takes the request from the engine's inbox and launches its prefill
-        while engine.busy():  # until the step that sampled its token has landed
+        handles = []
+        for _ in range(count):
+            prompt = torch.randint(2, runtime.vocab_size, (length,), generator=generator)
+            handles.append(runtime.submit(prompt.tolist(), params))
+        engine.step()  # takes the requests from the engine's inbox and launches their prefill
+        while engine.busy():  # until the step that sampled their tokens has landed
             engine.step()
-        if len([t for delta in handle for t in delta.token_ids]) != 1:
-            raise RuntimeError("the long prompt's request did not end with its one token")
+        for handle in handles:
+            if len([t for delta in handle for t in delta.token_ids]) != 1:
+                raise RuntimeError("a prompt's request did not end with its one token")
 
     walls = []
     for _ in range(PREFILLS + 1):
@@ -153,6 +163,7 @@ def profile_prefill(
         walls.append(time.perf_counter() - started)
     host = statistics.median(walls[1:])
     out = {
+        "prompts": count,
         "prompt": length,
         "host_ms": round(1000 * host, 2),
         "host_us": host_phases(engine, 0, steps=1, work=first_token),
@@ -352,6 +363,8 @@ def table(reports: list[dict[str, Any]]) -> str:
 
 def measure(args: argparse.Namespace, name: str, env: dict[str, str], work: Path) -> dict:
     folder = work / name
+    samples = args.out or work  # py-spy's raw samples: kept under --out, for a flame graph
+    samples.mkdir(parents=True, exist_ok=True)
     make_checkpoint(folder, SHAPES[name], args.device)
     width = ("--max-concurrency", str(max(WIDTHS)))
     report: dict[str, Any] = {
@@ -368,8 +381,9 @@ def measure(args: argparse.Namespace, name: str, env: dict[str, str], work: Path
             "start": runtime.start_report.describe(),
             "widths": profile_path(runtime, args.device),
             "prefill": profile_prefill(
-                runtime, args.device, args.py_spy, work / f"prefill_{name}_{path}.raw"
+                runtime, args.device, args.py_spy, samples / f"prefill_{name}_{path}.raw"
             ),
+            "short_prefill": profile_prefill(runtime, args.device, prompts=SHORT_PREFILL),
             "compilations_after_ready": runtime.compilations_since_ready().total,
         }
         runtime.stop()
