@@ -130,6 +130,15 @@ def serve_command(
             "attention, one rank); --no-cuda-graphs runs every step's kernels one by one.",
         ),
     ] = True,
+    prefill_graphs: Annotated[
+        bool,
+        typer.Option(
+            "--prefill-graphs",
+            help="Also replay prefill steps of up to 2,048 tokens from CUDA graphs captured "
+            "at start (with --cuda-graphs). Experimental: not yet run on a GPU "
+            "(docs/performance.md).",
+        ),
+    ] = False,
     batch_invariant: Annotated[
         bool,
         typer.Option(
@@ -203,9 +212,10 @@ def serve_command(
         plan = report.plan
         times["pulled"] = time.perf_counter()
         if batch_invariant:
-            from flare.serve.runtime import refuse_invariance_over_ranks
+            from flare.serve.runtime import refuse_invariance_over_ranks, refuse_padded_invariance
 
             refuse_invariance_over_ranks(plan.manifest.name, plan.manifest.ranks)
+            refuse_padded_invariance(prefill_graphs)
         with serving_leases(source, cache, plan, url_of(sock)):
             leader = None
             if plan.manifest.ranks > 1 or rendezvous is not None:
@@ -223,6 +233,7 @@ def serve_command(
                     leader,
                     cuda_graphs,
                     batch_invariant,
+                    prefill_graphs,
                     engine=engine,
                 )
             except BaseException as exc:

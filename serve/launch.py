@@ -117,6 +117,7 @@ def load_package_app(
     leader: RankLeader | None = None,
     cuda_graphs: bool = True,
     batch_invariant: bool = False,
+    prefill_graphs: bool = False,
     *,
     engine: EngineProcess,
 ) -> tuple[Runtime, FastAPI]:
@@ -143,6 +144,7 @@ def load_package_app(
         "compile_root": cache.root / "compiled",
         "cuda_graphs": cuda_graphs,
         "batch_invariant": batch_invariant,
+        "prefill_graphs": prefill_graphs,
     }
     package = PackageFiles(manifest, files, cache.quarantine_if_corrupt)
     runtime: Runtime

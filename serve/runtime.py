@@ -93,6 +93,7 @@ def load_runtime(
     on_group_failure: Callable[[BaseException], None] | None = None,
     cuda_graphs: bool = True,
     batch_invariant: bool = False,
+    prefill_graphs: bool = False,
 ) -> Runtime:
     """Load the package's model on `device` (fp32 on CPU, bf16 elsewhere unless `dtype` or
     the package's tuning says otherwise); `files` maps every blob's digest text to a local
@@ -104,7 +105,8 @@ def load_runtime(
     `compile_mode` says (serve/artifacts.py; `compile_root` holds compiled forwards); it is
     warmed up before this returns, so nothing compiles after. On CUDA, with FlashInfer
     attention and one rank, decode steps then run from CUDA graphs captured before this
-    returns, unless `cuda_graphs` is off (serve/engine/cuda_graphs.py). With
+    returns, unless `cuda_graphs` is off (serve/engine/cuda_graphs.py), and with
+    `prefill_graphs` prefill steps too (serve/engine/prefill_graphs.py). With
     `batch_invariant`, a greedy request gets the tokens it gets alone, whatever runs beside it
     (GenerateRuntime). The runtime's `memory_plan` says what each part took.
 
@@ -114,6 +116,7 @@ def load_runtime(
     world = group.world if group is not None else 1
     if batch_invariant:
         refuse_invariance_over_ranks(manifest.name, world)
+        refuse_padded_invariance(prefill_graphs)
     if manifest.ranks != world:
         raise InvalidInputError(
             f"package {manifest.name} is built for {manifest.ranks} ranks, not {world}",
@@ -146,6 +149,7 @@ def load_runtime(
             ranks,
             cuda_graphs,
             batch_invariant,
+            prefill_graphs,
         )
     runtime.memory_plan = _memory_plan(runtime, model, target, dtype, kv, memory_reserve, world)
     return runtime
@@ -158,6 +162,17 @@ def refuse_invariance_over_ranks(name: str, ranks: int) -> None:
         raise InvalidInputError(
             f"package {name} runs on {ranks} ranks: --batch-invariant serves one-rank packages",
             "serve it without --batch-invariant",
+        )
+
+
+def refuse_padded_invariance(prefill_graphs: bool) -> None:
+    """A prefill graph pads a step with sequences of its own, so its products are not the
+    unpadded step's, which batch-invariant serving promises."""
+    if prefill_graphs:
+        raise InvalidInputError(
+            "--prefill-graphs pads each prefill step; --batch-invariant prefills each "
+            "prompt alone and unpadded",
+            "serve with one of the two",
         )
 
 
@@ -264,6 +279,7 @@ class GenerateRuntime(Runtime):
         ranks: tuple[RankGroup, Callable[[BaseException], None] | None] | None = None,
         cuda_graphs: bool = True,
         batch_invariant: bool = False,
+        prefill_graphs: bool = False,
     ) -> None:
         """With `batch_invariant`, every product of a decode batch up to 64 sums each row as
         it would alone (serve/models/linear.py), each prompt is prefilled whole (no cached
@@ -313,7 +329,7 @@ class GenerateRuntime(Runtime):
             )
             if graphs is not None:
                 shape = (max_concurrency, batched_tokens, usable)
-                self._capture_graphs(runner, graphs, *shape, prefills=not batch_invariant)
+                self._capture_graphs(runner, graphs, *shape, prefills=prefill_graphs)
                 self.start_report.compilations = compilations.snapshot() - before
         self.runner = runner
         self.rank_reports: dict[int, dict[str, float]] = {}
@@ -337,8 +353,7 @@ class GenerateRuntime(Runtime):
         prefills: bool,
     ) -> None:
         """Capture the decode steps' CUDA graphs, then, with `prefills`, the prefill steps'
-        into the same memory pool (not with batch invariance: a padded step's products need
-        not be the unpadded step's), for `runner` to replay the steps they fit."""
+        into the same memory pool, for `runner` to replay the steps they fit."""
         pages = max_concurrency * -(-self.context_length // attention.block_size)
         decode = DecodeGraphs(runner.forward, attention, max_concurrency, pages, pad_block)
         self.start_report.graphs = decode.capture()

@@ -12,6 +12,7 @@ import torch
 from test_runtime import build_package
 
 from flare.build.tiny import make_tiny_llama
+from flare.errors import InvalidInputError
 from flare.serve.engine.flashinfer_attention import page_counts
 from flare.serve.engine.prefill_graphs import bucket_of, buckets, padded_prefill
 from flare.serve.engine.runner import FreshRows, StepInput, StepLogits
@@ -73,6 +74,15 @@ def test_a_prefill_is_padded_with_sequences_in_the_pad_block() -> None:
         padded_prefill(step, 4, 4, pad_block=99, block_size=BLOCK)
 
 
+def test_prefill_graphs_are_refused_with_batch_invariance(tmp_path: Path) -> None:
+    """A padded prefill's products are not the unpadded step's, which --batch-invariant
+    promises: asking for both is an invalid input, named, before anything loads."""
+    source = make_tiny_llama(tmp_path / "tiny")
+    manifest, files, _ = build_package(source, tmp_path, "tiny")
+    with pytest.raises(InvalidInputError, match="--prefill-graphs pads each prefill step"):
+        load_runtime(manifest, files, "cpu", batch_invariant=True, prefill_graphs=True)
+
+
 @pytest.mark.skipif(not GPU, reason="needs CUDA and the flashinfer-python package")
 def test_graph_prefill_gives_the_logits_of_the_kernel_by_kernel_prefill(tmp_path: Path) -> None:
     """A tiny Llama in bfloat16: prefill steps of one prompt, of five of different lengths,
@@ -83,7 +93,7 @@ def test_graph_prefill_gives_the_logits_of_the_kernel_by_kernel_prefill(tmp_path
     capture is in the start report, which built no kernel."""
     source = make_tiny_llama(tmp_path / "tiny", hidden=512, layers=2)
     manifest, files, _ = build_package(source, tmp_path, "tiny", target="cuda")
-    runtime = load_runtime(manifest, files, "cuda", kv_cache_tokens=16384)
+    runtime = load_runtime(manifest, files, "cuda", kv_cache_tokens=16384, prefill_graphs=True)
     assert isinstance(runtime, GenerateRuntime)
     start = runtime.start_report
     assert (start.forward, start.compilations.kernels) == ("package", 0), start.describe()

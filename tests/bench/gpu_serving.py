@@ -227,11 +227,17 @@ def greedy(model: Any, tokenizer: Any, device: str, prompt: str) -> str:
 
 
 def flare_figures(
-    env: dict[str, str], name: str, device: str, spy: Path | None, out_dir: Path | None
+    env: dict[str, str],
+    name: str,
+    device: str,
+    spy: Path | None,
+    out_dir: Path | None,
+    *options: str,
 ) -> dict[str, Any]:
+    """The figures of `flare serve NAME --device DEVICE OPTIONS...` over HTTP."""
     import httpx
 
-    server, url, ready, _ = start_server(env, name, "--device", device)
+    server, url, ready, _ = start_server(env, name, "--device", device, *options)
     out: dict[str, Any] = {"ready_line": ready}
     try:
         one_stream(url, name, prompt_of(32, 0), 8)  # a warm-up request
@@ -440,13 +446,22 @@ def measure(shape_name: str, args: argparse.Namespace, work: Path) -> dict[str, 
     report["flare"]["tokenize_8k_ms"] = tokenize_ms(folder / "ckpt", prompt_of(LONG_PROMPT, 50))
     http = {k: v for k, v in report["flare"].items() if k != "greedy"}
     print(f"{shape_name}: flare over HTTP {http}", file=sys.stderr)
+    if args.prefill_graphs:  # the same server with prefill steps from CUDA graphs, beside it
+        report["flare_prefill_graphs"] = flare_figures(
+            env, shape_name, args.device, None, None, "--prefill-graphs"
+        )
+        print(f"{shape_name}: --prefill-graphs {report['flare_prefill_graphs']}", file=sys.stderr)
     if not args.skip_in_process:
         report["in_process"] = in_process_figures(env, shape_name, args.device)
         print(f"{shape_name}: in process {report['in_process']}", file=sys.stderr)
-    pairs = zip(report["flare"].pop("greedy"), report["transformers"].pop("greedy"), strict=True)
-    shared = [same_words(ours, theirs) for ours, theirs in pairs]
-    report["greedy_equal_share"] = sum(s == PARITY_TOKENS for s in shared) / len(shared)
-    report["greedy_shared_tokens"] = shared
+    theirs = report["transformers"].pop("greedy")
+    for served, suffix in (("flare", ""), ("flare_prefill_graphs", "_prefill_graphs")):
+        if served in report:
+            pairs = zip(report[served].pop("greedy"), theirs, strict=True)
+            shared = [same_words(ours, reference) for ours, reference in pairs]
+            equal = sum(n == PARITY_TOKENS for n in shared) / len(shared)
+            report[f"greedy_equal_share{suffix}"] = equal
+            report[f"greedy_shared_tokens{suffix}"] = shared
     flare_rate = report["flare"]["batch1_tok_s"]
     report["flare_batch1_of_roofline"] = round(flare_rate / report["roofline_batch1_tok_s"], 3)
     return report
@@ -461,6 +476,9 @@ def main() -> int:
     parser.add_argument("--py-spy", type=Path, default=None, help="profile the engine with it")
     parser.add_argument("--kernel-cache", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--prefill-graphs", action="store_true", help="serve again with --prefill-graphs"
+    )
     args = parser.parse_args()
     require("transformers")
     if args.out:

@@ -4,8 +4,8 @@ engine and runner at hand rather than its HTTP API.
 
 The scripts run in a flare home of their own (FLARE_HOME under their work folder; a
 FLARE_KERNEL_CACHE set outside is kept, so several scripts in one device call share what tune
-and compile made for the same shapes). Each script runs both decode paths, `PATHS`: the
-CUDA-graph/eager choice is `load_runtime`'s `cuda_graphs` keyword.
+and compile made for the same shapes). Each script runs every step path, `PATHS`: the
+CUDA-graph/eager choice is `load_runtime`'s `cuda_graphs` and `prefill_graphs` keywords.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from flare.serve.runtime import Runtime, load_runtime
 
 PATHS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("cuda_graphs", {"cuda_graphs": True}),
+    ("prefill_graphs", {"cuda_graphs": True, "prefill_graphs": True}),
     ("eager", {"cuda_graphs": False}),
 )
-"""The decode paths to run, by name, each with its `load_runtime` keywords. "eager" is decode
-without CUDA graphs: its forward is still the package's compiled one where the package has one
-(the runtime's `start_report` says which); on a CPU both paths run the same steps."""
+"""The step paths to run, by name, each with its `load_runtime` keywords: decode steps from
+CUDA graphs, prefill steps too, or neither. "eager" is decode without CUDA graphs: its
+forward is still the package's compiled one where the package has one (the runtime's
+`start_report` says which); on a CPU the paths run the same steps."""
 
 
 @contextmanager
