@@ -1,5 +1,5 @@
 """Where a decode step's time goes: host time against GPU time per engine step, and kernel
-launches, for N sequences decoding (N = 1, 16, 64), with and without CUDA graphs.
+launches, for N sequences decoding (N = 1, 16, 64), on each step path (runtime_package.PATHS).
 
     python tests/bench/gpu_step_profile.py [--shapes 1b] [--out DIR]
     python tests/bench/gpu_step_profile.py --device cpu --shapes tiny   # the script's own check
@@ -34,7 +34,9 @@ stepped through their prefill and WARMUP decode steps, then:
 Then the first token of one LONG_PROMPT-token prompt alone (gpu_serving.py's 8K case, without
 HTTP): its wall from submission to the token landed, the host phases of those steps, and on
 CUDA the GPU's busy time and kernels for it; with `--py-spy BIN`, py-spy's frames with the
-most samples over a few more (where a prefill's launch spends its host time).
+most samples over a few more (where a prefill's launch spends its host time). Then the same
+for SHORT_PREFILL (16 prompts of 32 tokens prefilled together: the 16-stream case's first
+tokens, which prefill graphs replay on the `prefill_graphs` path), without py-spy.
 
 On the CPU it reports host time only. Nothing asserts on time: it prints a table (stderr) and
 one JSON report (stdout, and under --out).
