@@ -188,6 +188,7 @@ def host_phases(
     each phase of the host's work timed where it is called: microseconds a run by phase
     (nested phases also count in their caller's)."""
     from flare.serve.engine import cuda_graphs
+    from flare.serve.engine.flashinfer_attention import FlashInferGraphPrefill
 
     spent: dict[str, float] = {}
     runner, graphs = engine.runner, engine.runner.graphs
@@ -204,6 +205,11 @@ def host_phases(
             ("graph: stage", graphs, "_fill"),
             ("graph: FlashInfer plan", cuda_graphs.FlashInferGraphDecode, "plan_pages"),
             ("graph: replay", torch.cuda.CUDAGraph, "replay"),
+        ]
+    if getattr(runner, "prefills", None) is not None:  # a flare with prefill graphs, asked for
+        phases += [
+            ("prefill graph: stage", runner.prefills, "_fill"),
+            ("prefill graph: FlashInfer plan", FlashInferGraphPrefill, "plan_pages"),
         ]
     waited = engine.counters.device_wait_seconds
     generated = engine.counters.generated_tokens
