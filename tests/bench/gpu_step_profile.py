@@ -67,6 +67,9 @@ LONG_PROMPT = 8192
 SHORT_PREFILL = (16, PROMPT)
 """The 16-stream case's first tokens: 16 prompts prefilled together."""
 PREFILLS = 3
+SPIED = 24
+"""Prefills run under py-spy: about 500 samples of 8K-token prefills at its 500 a second (3
+gave 41 on the H200, too few to rank frames)."""
 WARMUP = 8
 STEPS = 32
 PROFILED = 8
@@ -139,7 +142,7 @@ def profile_prefill(
     first-token case) submitted together, in-process: the wall from their submission to
     their one token each landed (median of PREFILLS, after one untimed), those steps' host
     phases, and on CUDA one more under the profiler: how much of a first token is the GPU's,
-    in which kernels. With py-spy (`spy`, its samples to `raw`), PREFILLS more under it:
+    in which kernels. With py-spy (`spy`, its samples to `raw`), SPIED more under it:
     where the host's time in them goes, by frame."""
     engine = runtime.engine
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -175,7 +178,7 @@ def profile_prefill(
         out |= {k: figures[k] for k in ("gpu_ms_per_step", "kernels_per_step", "top_kernels")}
     if spy is not None:
         with py_spy(os.getpid(), spy, raw) as frames:
-            for _ in range(PREFILLS):
+            for _ in range(SPIED):
                 first_token()
         out["py_spy"] = frames
     return out

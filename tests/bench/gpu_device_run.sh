@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU checks and benches on a bare CUDA host (Python 3.12 with torch, Triton, transformers),
+# in one call: install the wheels carried in .whl, then run the named stages in order, each
+# stage's output kept in $OUT/<stage>.log (a call stopped at its time limit still returns
+# them). Made on this side first, once, into the ignored .whl folder:
+#
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64 \
+#     --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 -d .whl \
+#     alembic annotated-types apache-tvm-ffi blake3 cffi cryptography fastapi \
+#     flashinfer-python==0.6.1 mako opentelemetry-api pycparser pydantic pydantic-core \
+#     sigstore-models sqlalchemy starlette typing-extensions typing-inspection uvicorn \
+#     zstandard httptools uvloop py-spy nvidia-cudnn-frontend
+#
+# Use: [GATE="tests/test_x.py ..."] bash tests/bench/gpu_device_run.sh STAGE...
+# Stages: gate (the GPU tests; each test that builds a CUDA package takes minutes on a fresh
+# host), launch, serve1b, serve8b, profile, correct. The 1B serving stage serves with and
+# without --prefill-graphs. Where what comes back is limited (eight files, say), mind that each
+# stage leaves its log, and profile five files more (its report, its table, py-spy's samples
+# of each of its three paths).
+set -u
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+started=$(date +%s)
+if [ ! -d /tmp/site/flashinfer ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
+mkdir -p /tmp/p && ln -sfn "$PWD" /tmp/p/flare  # the repository root is the package `flare`
+export PYTHONPATH=/tmp/site:/tmp/p PYTHONUNBUFFERED=1 FLARE_KERNEL_CACHE=/tmp/kc \
+  PYTHONPYCACHEPREFIX=/tmp/pyc FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+if [ ! -f /tmp/pyc/.compiled ]; then  # bytecode once: else every process compiles torch again
+  python3 -m compileall -q -j 16 \
+    $(python3 -c 'import site; print(" ".join(site.getsitepackages()))') /tmp/site >/dev/null 2>&1
+  mkdir -p /tmp/pyc && touch /tmp/pyc/.compiled
+fi
+gate=${GATE:-"tests/test_prefill_graphs.py tests/test_cuda_graphs.py tests/test_activation.py"}
+serving=(--skip-compiled --kernel-cache /tmp/kc)
+for stage in "$@"; do
+  echo "== $(( $(date +%s) - started )) s: $stage"
+  case $stage in
+    gate) python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=500 $gate ;;
+    launch) python3 tests/bench/gpu_launch_cost.py --out "$out" ;;
+    serve1b) python3 tests/bench/gpu_serving.py --shapes 1b "${serving[@]}" --skip-in-process \
+      --prefill-graphs --out "$out" ;;
+    serve8b) python3 tests/bench/gpu_serving.py --shapes 8b "${serving[@]}" --out "$out/s8b" ;;
+    profile) python3 tests/bench/gpu_step_profile.py --shapes 1b --py-spy /tmp/site/bin/py-spy \
+      --out "$out/profile" ;;
+    correct) python3 tests/bench/gpu_correctness.py --shapes 1b,8b --skip suite \
+      --out "$out/correct" ;;
+    *) echo "unknown stage: $stage"; false ;;
+  esac 2>&1 | tee "$out/$stage.log" | tail -n 40
+done
+echo "== $(( $(date +%s) - started )) s: done"
