@@ -52,8 +52,8 @@ PAD_ROOM = 32
 tokens (512) and its padding sequence fit the 544-row bucket, not the next."""
 SEQUENCES = (5, 17, 33)
 """Sequence counts of the buckets below the largest (one more than the package's max
-concurrency): a step of 4, 16 or 32 sequences, common widths, pads with one sequence, and no
-step pads with more than PAD_ROOM."""
+concurrency): a step of 4, 16 or 32 sequences, common widths, pads with one sequence, and
+for a package of up to 64 no step pads with more than PAD_ROOM."""
 
 
 @dataclass
