@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from flare.build.tiny import make_tiny_llama
 from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.cuda_graphs import padded_to
 from flare.serve.engine.flashinfer_attention import page_counts, page_table
-from flare.serve.engine.runner import FreshRows, StepInput, StepLogits
+from flare.serve.engine.runner import FreshRows, ModelRunner, StepInput, StepLogits
 from flare.serve.engine.sampler import row_max
 from flare.serve.engine.sequence import BlockTable, Sequence, join_pages
 from flare.serve.runtime import GenerateRuntime, SamplingParams, load_runtime
@@ -123,15 +124,9 @@ def test_graph_decode_gives_the_logits_of_the_kernel_by_kernel_decode(tmp_path: 
     def both(step: StepInput, fresh: FreshRows | None = None) -> StepLogits:
         """The step kernel by kernel, then from its graph (which reads the pending tokens
         where the step before left them, so it goes second)."""
-        replay = runner.graphs
-        if replay is None or not replay.fits(step):
-            return run_step(step, fresh)
-        runner.graphs = None
-        try:
-            plain = run_step(step, fresh).logits.clone()
-        finally:
-            runner.graphs = replay
-        graphed = run_step(step, fresh)
+        plain, graphed = kernel_by_kernel_then_replayed(runner, "graphs", run_step, step, fresh)
+        if plain is None:
+            return graphed
         assert graphed.maxima is not None
         values, indices = row_max(graphed.logits)
         agreed.append(
@@ -165,6 +160,27 @@ def test_graph_decode_gives_the_logits_of_the_kernel_by_kernel_decode(tmp_path: 
     assert {rows for rows, _ in compared} >= {5, 3, 1}
     assert max(diff for _, diff in compared) <= 2e-2, compared
     assert agreed and all(agreed)
+
+
+def kernel_by_kernel_then_replayed(
+    runner: ModelRunner,
+    replay: str,
+    run_step: Callable[[StepInput, FreshRows | None], StepLogits],
+    step: StepInput,
+    fresh: FreshRows | None,
+) -> tuple[torch.Tensor | None, StepLogits]:
+    """The step's logits kernel by kernel, with the runner's `replay` (its attribute's name)
+    set aside (None where that replay does not fit the step), then the step as the runner
+    runs it, from the replay where it fits."""
+    graphs = getattr(runner, replay)
+    if graphs is None or not graphs.fits(step):
+        return None, run_step(step, fresh)
+    setattr(runner, replay, None)
+    try:
+        plain = run_step(step, fresh).logits.clone()
+    finally:
+        setattr(runner, replay, graphs)
+    return plain, run_step(step, fresh)
 
 
 START_IN_ENGINE = """

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_cuda_graphs import kernel_by_kernel_then_replayed
 from test_runtime import build_package
 
 from flare.build.tiny import make_tiny_llama
@@ -105,15 +106,9 @@ def test_graph_prefill_gives_the_logits_of_the_kernel_by_kernel_prefill(tmp_path
 
     def both(step: StepInput, fresh: FreshRows | None = None) -> StepLogits:
         """The step kernel by kernel, then from its graph."""
-        replay = runner.prefills
-        if replay is None or not replay.fits(step):
-            return run_step(step, fresh)
-        runner.prefills = None
-        try:
-            plain = run_step(step, fresh).logits.clone()
-        finally:
-            runner.prefills = replay
-        graphed = run_step(step, fresh)
+        plain, graphed = kernel_by_kernel_then_replayed(runner, "prefills", run_step, step, fresh)
+        if plain is None:
+            return graphed
         assert graphed.logits.shape == plain.shape
         cached = max(c - q for c, q in zip(step.context_lens, step.query_lens, strict=True))
         diff = float((graphed.logits - plain).abs().max())
