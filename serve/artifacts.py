@@ -141,6 +141,7 @@ class StartReport:
         if self.graphs is not None:
             parts += f", CUDA graphs {self.graphs.seconds:.2f} s ({self.graphs.describe()})"
         if self.prefill_graphs is not None:
-            parts += f", {self.prefill_graphs.describe()}"
+            prefill = self.prefill_graphs
+            parts += f", prefill graphs {prefill.seconds:.2f} s ({prefill.describe()})"
         since = f" ({launched:.2f} s after the command began)" if launched is not None else ""
         return f"ready in {total:.2f} s{since}: {parts}; {self.describe()}"

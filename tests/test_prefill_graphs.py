@@ -14,6 +14,8 @@ from test_runtime import build_package
 
 from flare.build.tiny import make_tiny_llama
 from flare.errors import InvalidInputError
+from flare.serve.artifacts import StartReport
+from flare.serve.engine.cuda_graphs import GraphReport
 from flare.serve.engine.flashinfer_attention import page_counts
 from flare.serve.engine.prefill_graphs import bucket_of, buckets, padded_prefill
 from flare.serve.engine.runner import FreshRows, StepInput, StepLogits
@@ -73,6 +75,18 @@ def test_a_prefill_is_padded_with_sequences_in_the_pad_block() -> None:
         padded_prefill(step, 2, 64, pad_block=99, block_size=BLOCK)
     with pytest.raises(ValueError, match="does not pad"):
         padded_prefill(step, 4, 4, pad_block=99, block_size=BLOCK)
+
+
+def test_the_ready_line_gives_each_capture_its_time_and_takes_both_from_the_load() -> None:
+    """The decode graphs' sizes and the prefill graphs' reach, each with its seconds, which
+    are not counted again in the load's own time."""
+    start = StartReport("package")
+    start.graphs = GraphReport([1, 2, 4], 0.3, 1 << 20)
+    start.prefill_graphs = GraphReport([160, 2080], 0.8, 1 << 20, "prefill", [5, 65])
+    line = start.timeline(pull=0.1, load=2.0, total=2.1, weights=None)
+    assert "load 0.90 s" in line
+    assert "CUDA graphs 0.30 s (3 decode batch sizes, 1 to 4)" in line
+    assert "prefill graphs 0.80 s (up to 64 sequences and 2080 tokens)" in line
 
 
 def test_prefill_graphs_are_refused_with_batch_invariance(tmp_path: Path) -> None:

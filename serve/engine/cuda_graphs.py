@@ -85,10 +85,7 @@ class GraphReport:
         """What was captured, for the ready line."""
         if self.kind == "decode":
             return f"{len(self.sizes)} decode batch sizes, 1 to {self.sizes[-1]}"
-        return (
-            f"prefill graphs {self.seconds:.2f} s (up to {self.sequences[-1] - 1} sequences "
-            f"and {self.sizes[-1]} tokens)"
-        )
+        return f"up to {self.sequences[-1] - 1} sequences and {self.sizes[-1]} tokens"
 
 
 STAGED = 4
@@ -174,7 +171,8 @@ class DecodeGraphs:
         attention = FlashInferGraphDecode(
             self.attention, self._inputs[2][:size], self._wrapper_indices
         )
-        self._fill(padded_to(_empty_step(), size, self.pad_block, self.block_size), attention, size)
+        empty = StepInput.empty()
+        self._fill(padded_to(empty, size, self.pad_block, self.block_size), attention, size)
         self._step(size, attention)
         torch.cuda.synchronize(self._last.device)
         graph = torch.cuda.CUDAGraph()
@@ -277,7 +275,3 @@ def padded_to(step: StepInput, size: int, pad_block: int, block_size: int) -> St
         context_lens=step.context_lens + [1] * rows,
         tables=step.tables + [BlockTable([pad_block])] * rows,
     )
-
-
-def _empty_step() -> StepInput:
-    return StepInput([], [], [], [], [], [])

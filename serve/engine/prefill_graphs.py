@@ -59,7 +59,6 @@ for a package of up to 64 no step pads with more than PAD_ROOM."""
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    attention: FlashInferGraphPrefill
     logits: torch.Tensor
     """The graph's output, [sequences, vocab], overwritten by every replay."""
 
@@ -134,7 +133,8 @@ class PrefillGraphs:
         self.shapes = buckets(max_sequences, max_tokens)
         self.rows = max((t for _, t in self.shapes), default=0)
         self.sequences = max((s for s, _ in self.shapes), default=0)
-        pages = max_pages + self.rows // self.block_size + self.sequences
+        self.max_pages = max_pages
+        pages = max_pages + self.rows // self.block_size + self.sequences  # and the padding's
         with torch.inference_mode():  # made as the forward's own inputs are: no guard differs
             self._allocate(pages)
         self._graphs: dict[tuple[int, int], _Graph] = {}
@@ -167,9 +167,8 @@ class PrefillGraphs:
         if all(n == 1 for n in step.query_lens):
             return False
         pages, _ = page_counts(step.context_lens, self.block_size)
-        room = len(self._wrapper_indices) - self.rows // self.block_size - self.sequences
         found = bucket_of(self.shapes, len(step.query_lens), len(step.ids))
-        return found is not None and sum(pages) <= room
+        return found is not None and sum(pages) <= self.max_pages
 
     @torch.inference_mode()
     def capture(self, pool: tuple[int, int] | None = None) -> GraphReport:
@@ -196,14 +195,14 @@ class PrefillGraphs:
 
     def _capture(self, shape: tuple[int, int], pool: tuple[int, int] | None) -> _Graph:
         attention = self._wrapper(shape[0])
-        empty = StepInput([], [], [], [], [], [])
+        empty = StepInput.empty()
         self._fill(padded_prefill(empty, *shape, self.pad_block, self.block_size), attention)
         self._step(shape)
         torch.cuda.synchronize(self._last.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = self._step(shape)
-        return _Graph(graph, attention, logits)
+        return _Graph(graph, logits)
 
     def _wrapper(self, sequences: int) -> FlashInferGraphPrefill:
         """The FlashInfer wrapper of `sequences`, made for the first (largest) token count
@@ -220,7 +219,7 @@ class PrefillGraphs:
         sequences, tokens = shape
         ids, positions, slots = (tensor[:tokens] for tensor in self._inputs)
         staged = self._staged[: STAGED * self.rows].view(STAGED, -1)
-        take_inputs(staged, ids, ids, positions, slots)
+        take_inputs(staged, ids, ids, positions, slots)  # every source -1: no pending tokens
         last = self._last[:sequences]
         last.copy_(self._staged[STAGED * self.rows : STAGED * self.rows + sequences])
         return self.forward(ids, positions, last, self._wrappers[sequences])
@@ -236,7 +235,8 @@ class PrefillGraphs:
         shape = bucket_of(self.shapes, sequences, len(step.ids))
         assert shape is not None, "run() of a step that fits() refused"
         graph = self._graphs[shape]
-        self._fill(padded_prefill(step, *shape, self.pad_block, self.block_size), graph.attention)
+        padded = padded_prefill(step, *shape, self.pad_block, self.block_size)
+        self._fill(padded, self._wrappers[shape[0]])
         graph.graph.replay()
         return StepLogits(graph.logits[:sequences])
 

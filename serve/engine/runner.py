@@ -140,6 +140,11 @@ class StepInput:
     context_lens: list[int]
     tables: list[BlockTable]
 
+    @classmethod
+    def empty(cls) -> StepInput:
+        """A step of no sequences: what a graph's capture pads up to its shape."""
+        return cls([], [], [], [], [], [])
+
     def to_json(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         return data | {"tables": [table.ids for table in self.tables]}
