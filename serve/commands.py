@@ -131,14 +131,15 @@ def serve_command(
         ),
     ] = True,
     prefill_graphs: Annotated[
-        bool,
+        bool | None,
         typer.Option(
-            "--prefill-graphs",
-            help="Also replay prefill steps of up to 2,048 tokens from CUDA graphs captured "
-            "at start (with --cuda-graphs). Experimental: not yet run on a GPU "
-            "(docs/performance.md).",
+            "--prefill-graphs/--no-prefill-graphs",
+            help="Replay prefill steps of up to 2,048 tokens from CUDA graphs captured at "
+            "start too (with --cuda-graphs; default: on, off with --batch-invariant, whose "
+            "unpadded prefills they would pad).",
+            show_default=False,
         ),
-    ] = False,
+    ] = None,
     batch_invariant: Annotated[
         bool,
         typer.Option(

@@ -117,7 +117,7 @@ def load_package_app(
     leader: RankLeader | None = None,
     cuda_graphs: bool = True,
     batch_invariant: bool = False,
-    prefill_graphs: bool = False,
+    prefill_graphs: bool | None = None,
     *,
     engine: EngineProcess,
 ) -> tuple[Runtime, FastAPI]:

@@ -93,7 +93,7 @@ def load_runtime(
     on_group_failure: Callable[[BaseException], None] | None = None,
     cuda_graphs: bool = True,
     batch_invariant: bool = False,
-    prefill_graphs: bool = False,
+    prefill_graphs: bool | None = None,
 ) -> Runtime:
     """Load the package's model on `device` (fp32 on CPU, bf16 elsewhere unless `dtype` or
     the package's tuning says otherwise); `files` maps every blob's digest text to a local
@@ -105,8 +105,9 @@ def load_runtime(
     `compile_mode` says (serve/artifacts.py; `compile_root` holds compiled forwards); it is
     warmed up before this returns, so nothing compiles after. On CUDA, with FlashInfer
     attention and one rank, decode steps then run from CUDA graphs captured before this
-    returns, unless `cuda_graphs` is off (serve/engine/cuda_graphs.py), and with
-    `prefill_graphs` prefill steps too (serve/engine/prefill_graphs.py). With
+    returns, unless `cuda_graphs` is off (serve/engine/cuda_graphs.py), and prefill steps
+    too unless `prefill_graphs` is off (serve/engine/prefill_graphs.py; None: on unless
+    `batch_invariant`, whose unpadded prefills they would pad). With
     `batch_invariant`, a greedy request gets the tokens it gets alone, whatever runs beside it
     (GenerateRuntime). The runtime's `memory_plan` says what each part took.
 
@@ -165,9 +166,10 @@ def refuse_invariance_over_ranks(name: str, ranks: int) -> None:
         )
 
 
-def refuse_padded_invariance(prefill_graphs: bool) -> None:
+def refuse_padded_invariance(prefill_graphs: bool | None) -> None:
     """A prefill graph pads a step with sequences of its own, so its products are not the
-    unpadded step's, which batch-invariant serving promises."""
+    unpadded step's, which batch-invariant serving promises: asked for both (None is not
+    asking), refused."""
     if prefill_graphs:
         raise InvalidInputError(
             "--prefill-graphs pads each prefill step; --batch-invariant prefills each "
@@ -279,12 +281,14 @@ class GenerateRuntime(Runtime):
         ranks: tuple[RankGroup, Callable[[BaseException], None] | None] | None = None,
         cuda_graphs: bool = True,
         batch_invariant: bool = False,
-        prefill_graphs: bool = False,
+        prefill_graphs: bool | None = None,
     ) -> None:
         """With `batch_invariant`, every product of a decode batch up to 64 sums each row as
         it would alone (serve/models/linear.py), each prompt is prefilled whole (no cached
         prefix reused) in a step of its own (the scheduler), so a greedy request's tokens do
-        not depend on the others, nor on what ran before."""
+        not depend on the others, nor on what ran before; prefill steps replay CUDA graphs
+        beside the decode steps' unless `prefill_graphs` is off (None: off with
+        `batch_invariant` only, as padding would break its promise)."""
         linear.keep_rows_invariant(batch_invariant)
         prepared = prepared or RuntimeArtifacts("eager", None, why="none was asked for")
         decisions = prepared.decisions
@@ -329,7 +333,8 @@ class GenerateRuntime(Runtime):
             )
             if graphs is not None:
                 shape = (max_concurrency, batched_tokens, usable)
-                self._capture_graphs(runner, graphs, *shape, prefills=prefill_graphs)
+                prefills = not batch_invariant if prefill_graphs is None else prefill_graphs
+                self._capture_graphs(runner, graphs, *shape, prefills=prefills)
                 self.start_report.compilations = compilations.snapshot() - before
         self.runner = runner
         self.rank_reports: dict[int, dict[str, float]] = {}

@@ -91,11 +91,13 @@ def test_the_ready_line_gives_each_capture_its_time_and_takes_both_from_the_load
 
 def test_prefill_graphs_are_refused_with_batch_invariance(tmp_path: Path) -> None:
     """A padded prefill's products are not the unpadded step's, which --batch-invariant
-    promises: asking for both is an invalid input, named, before anything loads."""
+    promises: asking for both is an invalid input, named, before anything loads; batch
+    invariance alone turns the default prefill graphs off and loads."""
     source = make_tiny_llama(tmp_path / "tiny")
     manifest, files, _ = build_package(source, tmp_path, "tiny")
     with pytest.raises(InvalidInputError, match="--prefill-graphs pads each prefill step"):
         load_runtime(manifest, files, "cpu", batch_invariant=True, prefill_graphs=True)
+    assert isinstance(load_runtime(manifest, files, "cpu", batch_invariant=True), GenerateRuntime)
 
 
 @pytest.mark.skipif(not GPU, reason="needs CUDA and the flashinfer-python package")
@@ -105,10 +107,10 @@ def test_graph_prefill_gives_the_logits_of_the_kernel_by_kernel_prefill(tmp_path
     contexts), each run from its graph and again kernel by kernel, give the same logits
     within bfloat16's rounding; the greedy tokens of those requests are those of a runtime
     without prefill graphs (nine in ten at least: random weights have near ties); the
-    capture is in the start report, which built no kernel."""
+    capture, on by default, is in the start report, which built no kernel."""
     source = make_tiny_llama(tmp_path / "tiny", hidden=512, layers=2)
     manifest, files, _ = build_package(source, tmp_path, "tiny", target="cuda")
-    runtime = load_runtime(manifest, files, "cuda", kv_cache_tokens=16384, prefill_graphs=True)
+    runtime = load_runtime(manifest, files, "cuda", kv_cache_tokens=16384)  # graphs by default
     assert isinstance(runtime, GenerateRuntime)
     start = runtime.start_report
     assert (start.forward, start.compilations.kernels) == ("package", 0), start.describe()

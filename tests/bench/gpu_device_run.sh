@@ -15,10 +15,10 @@
 #
 # Use: [GATE="tests/test_x.py ..."] bash tests/bench/gpu_device_run.sh STAGE...
 # Stages: gate (the GPU tests; each test that builds a CUDA package takes minutes on a fresh
-# host), launch, serve1b, serve8b, profile, correct. The 1B serving stage serves with and
-# without --prefill-graphs. Where what comes back is limited (eight files, say), mind that each
-# stage leaves its log, and profile five files more (its report, its table, py-spy's samples
-# of each of its three paths).
+# host), launch, serve1b, serve8b, profile, correct. The 1B serving stage serves with prefill
+# graphs (the default) and again with --no-prefill-graphs. Where what comes back is limited
+# (eight files, say), mind that each stage leaves its log, and profile five files more (its
+# report, its table, py-spy's samples of each of its three paths).
 set -u
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -43,7 +43,7 @@ for stage in "$@"; do
     gate) python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=500 $gate ;;
     launch) python3 tests/bench/gpu_launch_cost.py --out "$out" ;;
     serve1b) python3 tests/bench/gpu_serving.py --shapes 1b "${serving[@]}" --skip-in-process \
-      --prefill-graphs --out "$out" ;;
+      --without-prefill-graphs --out "$out" ;;
     serve8b) python3 tests/bench/gpu_serving.py --shapes 8b "${serving[@]}" --out "$out/s8b" ;;
     profile) python3 tests/bench/gpu_step_profile.py --shapes 1b --py-spy /tmp/site/bin/py-spy \
       --out "$out/profile" ;;

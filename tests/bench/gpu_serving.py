@@ -446,16 +446,17 @@ def measure(shape_name: str, args: argparse.Namespace, work: Path) -> dict[str, 
     report["flare"]["tokenize_8k_ms"] = tokenize_ms(folder / "ckpt", prompt_of(LONG_PROMPT, 50))
     http = {k: v for k, v in report["flare"].items() if k != "greedy"}
     print(f"{shape_name}: flare over HTTP {http}", file=sys.stderr)
-    if args.prefill_graphs:  # the same server with prefill steps from CUDA graphs, beside it
-        report["flare_prefill_graphs"] = flare_figures(
-            env, shape_name, args.device, None, None, "--prefill-graphs"
+    if args.without_prefill_graphs:  # the same server with prefills kernel by kernel, beside it
+        report["flare_no_prefill_graphs"] = flare_figures(
+            env, shape_name, args.device, None, None, "--no-prefill-graphs"
         )
-        print(f"{shape_name}: --prefill-graphs {report['flare_prefill_graphs']}", file=sys.stderr)
+        without = report["flare_no_prefill_graphs"]
+        print(f"{shape_name}: --no-prefill-graphs {without}", file=sys.stderr)
     if not args.skip_in_process:
         report["in_process"] = in_process_figures(env, shape_name, args.device)
         print(f"{shape_name}: in process {report['in_process']}", file=sys.stderr)
     theirs = report["transformers"].pop("greedy")
-    for served, suffix in (("flare", ""), ("flare_prefill_graphs", "_prefill_graphs")):
+    for served, suffix in (("flare", ""), ("flare_no_prefill_graphs", "_no_prefill_graphs")):
         if served in report:
             pairs = zip(report[served].pop("greedy"), theirs, strict=True)
             shared = [same_words(ours, reference) for ours, reference in pairs]
@@ -477,7 +478,9 @@ def main() -> int:
     parser.add_argument("--kernel-cache", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
-        "--prefill-graphs", action="store_true", help="serve again with --prefill-graphs"
+        "--without-prefill-graphs",
+        action="store_true",
+        help="serve again with --no-prefill-graphs",
     )
     args = parser.parse_args()
     require("transformers")

@@ -209,7 +209,7 @@ def host_phases(
             ("graph: FlashInfer plan", cuda_graphs.FlashInferGraphDecode, "plan_pages"),
             ("graph: replay", torch.cuda.CUDAGraph, "replay"),
         ]
-    if getattr(runner, "prefills", None) is not None:  # a flare with prefill graphs, asked for
+    if getattr(runner, "prefills", None) is not None:  # a flare with prefill graphs
         phases += [
             ("prefill graph: stage", runner.prefills, "_fill"),
             ("prefill graph: FlashInfer plan", FlashInferGraphPrefill, "plan_pages"),

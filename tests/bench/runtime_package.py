@@ -23,14 +23,15 @@ from gpu_package import flare
 from flare.serve.runtime import Runtime, load_runtime
 
 PATHS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("cuda_graphs", {"cuda_graphs": True}),
+    ("cuda_graphs", {"cuda_graphs": True, "prefill_graphs": False}),
     ("prefill_graphs", {"cuda_graphs": True, "prefill_graphs": True}),
     ("eager", {"cuda_graphs": False}),
 )
 """The step paths to run, by name, each with its `load_runtime` keywords: decode steps from
-CUDA graphs, prefill steps too, or neither. "eager" is decode without CUDA graphs: its
-forward is still the package's compiled one where the package has one (the runtime's
-`start_report` says which); on a CPU the paths run the same steps."""
+CUDA graphs (prefills kernel by kernel), prefill steps too (serve's default), or neither.
+"eager" is decode without CUDA graphs: its forward is still the package's compiled one where
+the package has one (the runtime's `start_report` says which); on a CPU the paths run the
+same steps."""
 
 
 @contextmanager
