@@ -132,6 +132,23 @@ def test_a_pending_token_names_its_full_block_only_once_its_value_is_known() -> 
     assert b.block_table[0] == a.block_table[0] and b.num_cached_tokens == 4
 
 
+def test_blocks_named_as_decode_fills_them_are_found_by_a_prompt_of_those_tokens() -> None:
+    """Names made a block at a time while decoding are the names a prompt's blocks get all
+    at once: a later prompt of the prompt and generated tokens reuses every full block, and
+    its block table's page array is its id list after growing past its first array."""
+    m = BlockManager(num_blocks=64, block_size=BLOCK)
+    a = seq(range(1, 7))
+    m.allocate(a)
+    for token in range(100, 140):  # 40 tokens: ten more blocks named one by one
+        a.append(token)
+        m.append_slot(a)
+    b = seq([*a.token_ids, 7])
+    m.allocate(b)
+    assert b.num_cached_tokens == len(a.token_ids) // BLOCK * BLOCK == 44
+    assert b.block_table[:11] == a.block_table[:11] and len(b.block_table) == 12
+    assert b.kv_table.pages(12).tolist() == b.block_table
+
+
 def test_a_failed_step_unnames_its_blocks_so_no_later_request_reuses_them() -> None:
     blocks = BlockManager(num_blocks=8, block_size=BLOCK)
     a = seq(range(9))
