@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 
+import pytest
 import torch
 
 from flare.serve.engine.block_manager import BlockManager
@@ -108,11 +109,16 @@ def test_free_blocks_are_handed_out_again_tail_first_evicting_their_cached_conte
     assert again.num_cached_tokens == 8
 
 
-def test_can_allocate_counts_only_the_blocks_a_sequence_does_not_share() -> None:
+def test_allocation_counts_only_the_blocks_a_sequence_does_not_share() -> None:
     blocks = BlockManager(num_blocks=4, block_size=BLOCK)
     blocks.allocate(seq(range(9)))  # three blocks, one left free
-    assert blocks.can_allocate(seq([*range(8), 80]))  # shares two, needs one
-    assert not blocks.can_allocate(seq(range(100, 109)))  # shares none, needs three
+    unshared = seq(range(100, 109))
+    assert not blocks.try_allocate(unshared)  # shares none, needs three: nothing changes
+    assert unshared.block_table == [] and len(blocks.free) == 1
+    with pytest.raises(RuntimeError, match="no room in the KV cache"):
+        blocks.allocate(unshared)
+    assert blocks.try_allocate(seq([*range(8), 80]))  # shares two, needs one
+    assert len(blocks.free) == 0
 
 
 def test_a_pending_token_names_its_full_block_only_once_its_value_is_known() -> None:

@@ -84,15 +84,24 @@ class BlockManager:
 
     # -- admission ------------------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        """Whether the free queue covers every block the sequence does not share."""
+    def try_allocate(self, seq: Sequence) -> bool:
+        """Give the sequence its blocks if the free queue covers every one it does not
+        share; False, nothing changed, if not. Its cached prefix is looked up once for both
+        (an 8K-token prompt seen before names 511 blocks to find it)."""
         cached = self._cached_prefix(seq)
         shared = sum(1 for b in cached if self.blocks[b].ref_count > 0)
-        return seq.num_blocks(self.block_size) - shared <= len(self.free)
+        if seq.num_blocks(self.block_size) - shared > len(self.free):
+            return False
+        self._allocate(seq, cached)
+        return True
 
     def allocate(self, seq: Sequence) -> None:
-        """Give the sequence its blocks: cached prefix blocks first, then fresh ones."""
-        cached = self._cached_prefix(seq)
+        """Give the sequence its blocks, which the free queue must cover."""
+        if not self.try_allocate(seq):
+            raise RuntimeError(f"no room in the KV cache for sequence {seq.id}'s blocks")
+
+    def _allocate(self, seq: Sequence, cached: list[int]) -> None:
+        """Cached prefix blocks first, then fresh ones."""
         for block_id in cached:
             self._take(block_id)
         seq.kv_table = BlockTable(cached)

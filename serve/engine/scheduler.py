@@ -60,9 +60,8 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             full = self.prefill_alone or tokens + len(seq) > self.max_batched_tokens
-            if (admitted and full) or not self.blocks.can_allocate(seq):
+            if (admitted and full) or not self.blocks.try_allocate(seq):
                 break
-            self.blocks.allocate(seq)
             tokens += len(seq) - seq.num_cached_tokens
             seq.status = Status.RUNNING
             self.running.append(self.waiting.popleft())
