@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from registry_helpers import flare
 from test_cuda_graphs import kernel_by_kernel_then_replayed
 from test_runtime import build_package
 
@@ -98,6 +99,24 @@ def test_prefill_graphs_are_refused_with_batch_invariance(tmp_path: Path) -> Non
     with pytest.raises(InvalidInputError, match="--prefill-graphs pads each prefill step"):
         load_runtime(manifest, files, "cpu", batch_invariant=True, prefill_graphs=True)
     assert isinstance(load_runtime(manifest, files, "cpu", batch_invariant=True), GenerateRuntime)
+
+
+def test_the_serve_command_refuses_both_flags_in_one_line_and_loads_nothing(
+    tmp_path: Path, flare_env: dict[str, str]
+) -> None:
+    """`flare serve --prefill-graphs --batch-invariant`: exit 4, one line naming both flags
+    and what to do, before the engine loads a weight (no memory plan printed)."""
+    source = make_tiny_llama(tmp_path / "tiny")
+    flare(flare_env, "key", "generate", "--publisher", "alice")
+    flare(flare_env, "build", str(source), "--name", "tiny")
+    serve = ("serve", "tiny", "--port", "0", "--device", "cpu", "--prefill-graphs")
+    done = flare(flare_env, *serve, "--batch-invariant", check=False)
+    assert done.returncode == 4, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines == [
+        "error: --prefill-graphs pads each prefill step; --batch-invariant prefills each "
+        "prompt alone and unpadded; serve with one of the two"
+    ], done.stderr
 
 
 @pytest.mark.skipif(not GPU, reason="needs CUDA and the flashinfer-python package")
