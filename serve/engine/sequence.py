@@ -89,18 +89,26 @@ class BlockTable:
         self._array[: len(self.ids)] = self.ids
 
     def append(self, block_id: int) -> None:
-        self.extend([block_id])
+        """One id at the end (a decode step's new block: a scalar write, no list made)."""
+        count = len(self.ids)
+        self._reserve(count + 1)
+        self._array[count] = block_id
+        self.ids.append(block_id)
 
     def extend(self, block_ids: list[int]) -> None:
-        """Add the ids at the end, the array doubled as often as they need (a prompt's
-        blocks come in one call: an 8K-token prompt's 512)."""
-        count, end = len(self.ids), len(self.ids) + len(block_ids)
-        if end > len(self._array):
-            grown = np.zeros(max(end, 2 * len(self._array)), dtype=np.int32)
-            grown[:count] = self._array[:count]
-            self._array = grown
-        self._array[count:end] = block_ids
+        """The ids at the end (a prompt's blocks come in one call: an 8K-token prompt's
+        512)."""
+        count = len(self.ids)
+        self._reserve(count + len(block_ids))
+        self._array[count : count + len(block_ids)] = block_ids
         self.ids.extend(block_ids)
+
+    def _reserve(self, length: int) -> None:
+        """Room for `length` ids in the array, doubled as often as that needs."""
+        if length > len(self._array):
+            grown = np.zeros(max(length, 2 * len(self._array)), dtype=np.int32)
+            grown[: len(self.ids)] = self._array[: len(self.ids)]
+            self._array = grown
 
     def pages(self, count: int) -> np.ndarray:
         """The first `count` ids as int32: a view, to be copied before the table grows."""
