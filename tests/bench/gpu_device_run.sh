@@ -15,7 +15,7 @@
 #
 # Use: [GATE="tests/test_x.py ..."] bash tests/bench/gpu_device_run.sh STAGE...
 # Stages: gate (the GPU tests; each test that builds a CUDA package takes minutes on a fresh
-# host), launch, serve1b, serve8b, profile, correct. The 1B serving stage serves with prefill
+# host), launch, attend, serve1b, serve8b, profile, correct. The 1B serving stage serves with prefill
 # graphs (the default) and again with --no-prefill-graphs. Where what comes back is limited
 # (eight files, say), mind that each stage leaves its log, and profile five files more (its
 # report, its table, py-spy's samples of each of its three paths).
@@ -42,6 +42,8 @@ for stage in "$@"; do
   case $stage in
     gate) python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=500 $gate ;;
     launch) python3 tests/bench/gpu_launch_cost.py --out "$out" ;;
+    attend) python3 tests/bench/gpu_decode_attention.py --shapes "${SHAPES:-1b,8b}" \
+      --variants "${VARIANTS:-tc-graph,cc-graph,tc-eager,cc-eager}" --out "$out" ;;
     serve1b) python3 tests/bench/gpu_serving.py --shapes 1b "${serving[@]}" --skip-in-process \
       --without-prefill-graphs --out "$out" ;;
     serve8b) python3 tests/bench/gpu_serving.py --shapes 8b "${serving[@]}" --out "$out/s8b" ;;
