@@ -12,8 +12,9 @@ PYTHONHASHSEED so nothing ordered by a string hash differs between builds.
 tune writes the tuning records (serve/tuning.py). compile writes `forward.tar`, the Inductor
 cache folder of the compiled forward (serve/inductor_archive.py) with, on CUDA, the FlashInfer
 modules its attention built (serve/flashinfer_modules.py) and the Triton kernels of its
-few-row products at every block of rows they take (serve/models/linear.py) and of its decode
-graphs' inputs and greedy picks (serve/engine/graph_step.py), and `result.json`: the
+few-row products at every block of rows they take (serve/models/linear.py), of its decode
+graphs' inputs and greedy picks (serve/engine/graph_step.py) and of their attention
+(serve/engine/decode_attention.py), and `result.json`: the
 shapes it covers and what compiling it took. A failure prints one line on stderr and exits 1.
 """
 
@@ -29,7 +30,7 @@ import torch
 
 from flare.serve import compilations, flashinfer_modules
 from flare.serve.compiled import CompiledForward, use_cache_folder, warm_up
-from flare.serve.engine import graph_step
+from flare.serve.engine import decode_attention, graph_step
 from flare.serve.engine.attention_choice import make_attention
 from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention
@@ -73,6 +74,10 @@ def compile_forward(spec: dict[str, Any], out: Path) -> dict[str, Any]:
         linear.build_kernels(device)
     if isinstance(attention, FlashInferPagedAttention):  # it serves decodes from CUDA graphs
         graph_step.build_kernels(model.vocab_size, dtype, device)
+        spec = model.attention_spec
+        decode_attention.build_kernels(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, block, dtype, device
+        )
     made = compilations.snapshot() - before
     if made.compiled != forward.graphs or made.traced != forward.graphs:
         raise RuntimeError(

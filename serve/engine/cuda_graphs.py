@@ -3,10 +3,11 @@
 A decode step of a small model is mostly launch overhead: the eager 1B Llama launched about
 750 kernels a step, 16 ms of host time for 2 ms of GPU work. A CUDA graph records a step's
 kernels once and replays them with one launch. A graph replays fixed addresses and shapes, so
-each captured batch size has its own FlashInfer decode wrapper in CUDA-graph mode (its page
-table in fixed buffers), and all sizes share static inputs and one memory pool (captured
-largest first, as PyTorch advises). The sizes are the decode batch sizes the package plans
-for (model_sizes.decode_batch_sizes: powers of two, then its max concurrency); a step of n
+each captured batch size reads its page table from fixed buffers (its attention is flare's
+decode kernel, decode_attention.py, which needs no plan), and all sizes share static inputs,
+the attention's workspace and one memory pool (captured largest first, as PyTorch
+advises). The sizes are the decode batch sizes the package plans for
+(model_sizes.decode_batch_sizes: powers of two, then its max concurrency); a step of n
 sequences replays the graph of the smallest of at least n. At decode sizes a step reads every
 weight once whatever its batch, so padding costs little; the rows past n read and write a KV
 block kept aside for them (the pad block, which the block manager never hands out), and their
@@ -16,16 +17,15 @@ On a GPU host every call into the CUDA driver costs the engine thread tens of mi
 (about 40 on the H200 host measured, docs/performance.md), so a step makes few of them:
 
 - before the replay, the host writes the step's token ids, positions, KV slots, where each
-  pending token comes from, and its page indices (joined from the sequences' block tables'
-  int32 arrays: no Python work a page) into one pinned buffer, copied to the device
-  in one copy without waiting; FlashInfer plans the step (a host-side computation whose results
-  it copies into its own buffers, also without waiting);
+  pending token comes from, and its page table (each sequence's first page and length, and
+  the pages joined from the sequences' block tables' int32 arrays: no Python work a page)
+  into one pinned buffer, copied to the device in one copy without waiting;
 - the graph itself moves the staged values into the forward's inputs (a pending token read
   where the step before sampled it, on the device), runs the forward, and finds each row's
   maximum and its index (greedy sampling's answer, and each row's trust) beside the logits,
   writing them side by side for one copy to the host (a kernel each side of the forward:
   graph_step.py);
-- so a greedy step is: one copy in, FlashInfer's plan, one replay, one copy out.
+- so a greedy step is: one copy in, one replay, one copy out.
 
 The engine launches a step while the step before still runs, so the pinned buffers are
 written again only once the copies out of them for the step before have run (an event after
@@ -43,12 +43,9 @@ import numpy as np
 import torch
 
 from flare.model_sizes import decode_batch_sizes
+from flare.serve.engine.decode_attention import DecodeWorkspace, GraphDecodeAttention
 from flare.serve.engine.device_io import settle
-from flare.serve.engine.flashinfer_attention import (
-    FlashInferGraphDecode,
-    FlashInferPagedAttention,
-    page_counts,
-)
+from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention, page_counts
 from flare.serve.engine.graph_step import pick_rows, pick_scratch, take_inputs
 from flare.serve.engine.runner import Forward, FreshRows, StepInput, StepLogits
 from flare.serve.engine.sampler import RowMaxima
@@ -58,7 +55,6 @@ from flare.serve.engine.sequence import BlockTable, join_pages
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    attention: FlashInferGraphDecode
     logits: torch.Tensor
     """The graph's output, [batch, vocab] in the model's dtype, overwritten by every replay
     (bf16 on a GPU: 64 rows of float32 logits cost a 40 µs cast a step, now the sampler's to
@@ -89,8 +85,11 @@ class GraphReport:
 
 
 STAGED = 4
-"""Rows of the staging buffer ahead of the page indices: token ids, positions, KV slots, and
+"""Rows of the staging buffer ahead of the page table: token ids, positions, KV slots, and
 for each row the row of the step before's tokens its pending token is (-1: its id is staged)."""
+ALIGN = 16
+"""The page table's parts start at multiples of 16 int32 in the staging buffer: Triton keys a
+kernel by whether each pointer is 16-byte aligned, and the build compiled it for aligned ones."""
 
 
 class DecodeGraphs:
@@ -113,6 +112,8 @@ class DecodeGraphs:
         with torch.inference_mode():  # made as the forward's own inputs are: no guard differs
             self._allocate(max_pages)
         self._graphs: dict[int, _Graph] = {}
+        self._workspace: DecodeWorkspace | None = None
+        """The graphs' attention workspace, made as they are captured (their memory)."""
         self._copied: torch.cuda.Event | None = None
         """Recorded after the last step's copies out of the pinned buffers."""
         self._replays = 0
@@ -126,14 +127,13 @@ class DecodeGraphs:
         """Token ids, positions, KV slots: three tensors of their own, as the forward was traced
         with (a view at an offset would fail a compiled forward's guards, and compile again)."""
         self._last = torch.arange(top, dtype=torch.int64, device=device)
-        self._staged_host = torch.zeros(
-            STAGED * top + max_pages, dtype=torch.int32, pin_memory=True
-        )
-        self._staged = torch.zeros(STAGED * top + max_pages, dtype=torch.int32, device=device)
-        self._wrapper_indices = torch.zeros(max_pages, dtype=torch.int32, device=device)
-        """The page indices every size's wrapper reads (its plan copies them there)."""
-        self._table_host = torch.zeros((3, top + 1), dtype=torch.int32, pin_memory=True)
-        """FlashInfer's indptr (top + 1), last page lengths and sequence lengths (top each)."""
+        self._lengths_at = STAGED * top + _aligned(top + 1)
+        self._pages_at = self._lengths_at + _aligned(top)
+        """Where the page table's parts start in the staging buffer: after the rows, each
+        sequence's first page (top + 1: FlashInfer's indptr), their lengths, their pages."""
+        size = self._pages_at + max_pages
+        self._staged_host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        self._staged = torch.zeros(size, dtype=torch.int32, device=device)
         self._tokens = torch.zeros(top, dtype=torch.int64, device=device)
         """Each replay's greedy tokens, where the next replay reads its pending ones."""
         self._packed = torch.zeros((top, 2), dtype=torch.float64, device=device)
@@ -160,6 +160,11 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         free, _ = torch.cuda.mem_get_info(device)
         started = time.perf_counter()
+        spec = self.attention.spec
+        group = spec.num_heads // spec.num_kv_heads
+        self._workspace = DecodeWorkspace(
+            self.max_batch, spec.num_kv_heads, group, spec.head_dim, device
+        )
         for size in reversed(self.sizes):
             self._graphs[size] = self._capture(size, self.pool)
             self.pool = self._graphs[size].graph.pool()
@@ -168,20 +173,25 @@ class DecodeGraphs:
         return GraphReport(self.sizes, time.perf_counter() - started, max(0, taken))
 
     def _capture(self, size: int, pool: tuple[int, int] | None) -> _Graph:
-        attention = FlashInferGraphDecode(
-            self.attention, self._inputs[2][:size], self._wrapper_indices
+        staged, top = self._staged, self.max_batch
+        table = (
+            staged[STAGED * top : STAGED * top + size + 1],
+            staged[self._pages_at :],
+            staged[self._lengths_at : self._lengths_at + size],
         )
+        slots = self._inputs[2][:size]
+        attention = GraphDecodeAttention(self.attention, slots, table, self._workspace)
         empty = StepInput.empty()
-        self._fill(padded_to(empty, size, self.pad_block, self.block_size), attention, size)
+        self._fill(padded_to(empty, size, self.pad_block, self.block_size), size)
         self._step(size, attention)
         torch.cuda.synchronize(self._last.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits, maxima = self._step(size, attention)
-        return _Graph(graph, attention, logits, maxima)
+        return _Graph(graph, logits, maxima)
 
     def _step(
-        self, size: int, attention: FlashInferGraphDecode
+        self, size: int, attention: GraphDecodeAttention
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """What a graph runs: the staged inputs into the forward's, the forward, each row's
         maximum and its index (into `_tokens`, and beside it into `_packed`)."""
@@ -203,25 +213,17 @@ class DecodeGraphs:
         rows = len(step.ids)
         size = next(n for n in self.sizes if n >= rows)
         graph = self._graphs[size]
-        self._fill(
-            padded_to(step, size, self.pad_block, self.block_size), graph.attention, size, fresh
-        )
+        self._fill(padded_to(step, size, self.pad_block, self.block_size), size, fresh)
         graph.graph.replay()
         host = self._packed_host[self._replays % 2]
         self._replays += 1
         maxima = RowMaxima(graph.maxima[:rows], self._tokens[:rows], self._packed[:rows], host)
         return StepLogits(graph.logits[:rows], maxima)
 
-    def _fill(
-        self,
-        step: StepInput,
-        attention: FlashInferGraphDecode,
-        size: int,
-        fresh: FreshRows | None = None,
-    ) -> None:
-        """Stage the step's inputs where the graph of `size` reads them: into the pinned
-        buffers (once the last step's copies out of them have run), to the device in one copy
-        without a sync, then FlashInfer's plan; pending tokens are taken from where the step
+    def _fill(self, step: StepInput, size: int, fresh: FreshRows | None = None) -> None:
+        """Stage the step's inputs and page table where the graph of `size` reads them: into
+        the pinned buffer (once the last step's copies out of it have run), then to the
+        device in one copy without a sync; pending tokens are taken from where the step
         before sampled them (copied next to the graphs' own tokens first, where that step
         was not a replay)."""
         settle(self._copied)
@@ -233,20 +235,14 @@ class DecodeGraphs:
         if fresh is not None:
             grid[3, fresh.rows] = fresh.sources
             self._keep_tokens(fresh.tokens)
-        pages, last = page_counts(step.context_lens, self.block_size)
-        end = STAGED * top + sum(pages)
-        join_pages(step.tables, pages, staged[STAGED * top : end])
+        pages, _ = page_counts(step.context_lens, self.block_size)
+        starts = STAGED * top
+        staged[starts] = 0
+        np.cumsum(pages, out=staged[starts + 1 : starts + size + 1])
+        staged[self._lengths_at : self._lengths_at + size] = step.context_lens
+        end = self._pages_at + int(staged[starts + size])
+        join_pages(step.tables, pages, staged[self._pages_at : end])
         self._staged[:end].copy_(self._staged_host[:end], non_blocking=True)
-        table = self._table_host.numpy()
-        table[0, 0] = 0
-        np.cumsum(pages, out=table[0, 1 : size + 1])
-        table[1, :size], table[2, :size] = last, step.context_lens
-        attention.plan_pages(
-            self._table_host[0, : size + 1],
-            self._staged[STAGED * top : end],
-            self._table_host[1, :size],
-            self._table_host[2, :size],
-        )
         self._copied = torch.cuda.Event()
         self._copied.record()
 
@@ -260,6 +256,10 @@ class DecodeGraphs:
                 f"{len(tokens)} pending tokens, more than the graphs' {len(self._tokens)} rows"
             )
         self._tokens[: len(tokens)].copy_(tokens)
+
+
+def _aligned(count: int) -> int:
+    return -(-count // ALIGN) * ALIGN
 
 
 def padded_to(step: StepInput, size: int, pad_block: int, block_size: int) -> StepInput:

@@ -109,60 +109,6 @@ class FlashInferPagedAttention:
         return self._wrapper.run(q, pages)
 
 
-class FlashInferGraphDecode:
-    """Decode steps of one fixed batch size, as a CUDA graph captures them (cuda_graphs.py):
-    FlashInfer's decode wrapper in its CUDA-graph mode, whose page table lives in buffers of
-    fixed size and address that `plan` refills on the host before each replay, and new keys and
-    values stored through a fixed slot buffer the caller fills. Shares the cache and the
-    workspace of `base` (one step runs at a time)."""
-
-    workspace_bytes = 0
-
-    def __init__(
-        self,
-        base: FlashInferPagedAttention,
-        slots: torch.Tensor,
-        indices: torch.Tensor,
-    ) -> None:
-        """`slots` ([batch] int64) and `indices` (int32, room for every page a step may name)
-        are on the device; the batch size is `slots`' length."""
-        import flashinfer
-
-        self.base, self.cache, self.slots = base, base.cache, slots
-        batch, device = len(slots), slots.device
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            base.workspace,
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=base.tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=device),
-            paged_kv_indices_buffer=indices,
-            paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=device),
-        )
-
-    def plan_pages(
-        self,
-        indptr: torch.Tensor,
-        indices: torch.Tensor,
-        last: torch.Tensor,
-        lengths: torch.Tensor,
-    ) -> None:
-        """The step's page table: `indptr`, `last` and the sequences' `lengths` on the host
-        (pinned), `indices` already on the device, so nothing here waits for the GPU (the
-        lengths given, FlashInfer need not work them out with torch ops on the host)."""
-        base = self.base
-        self._decode.plan(
-            indptr, indices, last, *base.plan_shape(), **base.plan_kinds(), seq_lens=lengths
-        )
-
-    def attend(
-        self, layer: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, rotary: torch.Tensor
-    ) -> torch.Tensor:
-        q, k_cache, v_cache = self.cache.store(layer, self.slots, q, kv, rotary)
-        pages = self.base.pages
-        return self._decode.run(q, (k_cache.view(pages), v_cache.view(pages)))
-
-
 class FlashInferGraphPrefill:
     """Prefill steps of a fixed number of sequences, as a CUDA graph captures them
     (prefill_graphs.py): FlashInfer's prefill wrapper in its CUDA-graph mode, whose page table

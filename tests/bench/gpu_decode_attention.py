@@ -1,6 +1,6 @@
-"""FlashInfer's decode attention as a decode step runs it, by kernel variant: µs a layer.
+"""Decode attention as a decode graph runs it, FlashInfer's variants and flare's: µs a layer.
 
-A decode graph (serve/engine/cuda_graphs.py) runs FlashInfer's decode wrapper in its CUDA-graph
+Decode graphs (serve/engine/cuda_graphs.py) ran FlashInfer's decode wrapper in its CUDA-graph
 mode, whose work split is fixed when the graph is captured: on its tensor-core path the KV is
 always split and a merge kernel follows. This times, for a model's head shape, every variant
 flare could run, each layer's call captured in one CUDA graph of LAYERS calls over caches of
@@ -11,7 +11,9 @@ two layers' attention), median replay over REPLAYS:
   `cc-graph` (CUDA cores): the wrapper in graph mode, planned for the case;
 - `tc-eager`, `tc-fa2-eager`, `cc-eager`, `tc-fa2-nosplit`: the wrapper planned as an eager
   step is (its split chosen for the case, or none), the planned calls then captured: what a
-  kernel needs when its split fits the case.
+  kernel needs when its split fits the case;
+- `flare`: flare's own decode kernel (serve/engine/decode_attention.py), which decode graphs
+  run; it has no plan (its `plan_us` is 0).
 
 Each variant's output is compared with torch's attention in float32 on the same cache (max
 abs). And the host time of one plan (µs, median of PLANS). Cases: batch 1, 16, 64 at contexts
@@ -50,6 +52,7 @@ VARIANTS = (
     "tc-fa2-eager",
     "cc-eager",
     "tc-fa2-nosplit",
+    "flare",
 )
 
 
@@ -103,9 +106,10 @@ def plan(variant: str, decode: Any, batch: int, context: int, shape: tuple[int, 
 def reference(
     q: torch.Tensor, cache: torch.Tensor, batch: int, context: int, pages: int
 ) -> torch.Tensor:
-    """Attention in float32: each sequence's query against its own first `context` slots."""
-    heads, kv_heads = q.shape[1], cache.shape[3]
-    kv = cache.reshape(batch, pages * PAGE, 2, kv_heads, -1)[:, :context].float()
+    """Attention in float32: each sequence's query against its own first `context` slots
+    (`cache` in flare's layout, [slots, 2, kv_heads, dim], a sequence's pages in a row)."""
+    heads, kv_heads = q.shape[1], cache.shape[2]
+    kv = cache.view(batch, pages * PAGE, 2, kv_heads, -1)[:, :context].float()
     k, v = (kv[:, :, i].repeat_interleave(heads // kv_heads, dim=2) for i in range(2))
     scores = torch.einsum("bhd,bthd->bht", q.float(), k) * q.shape[-1] ** -0.5
     return torch.einsum("bht,bthd->bhd", scores.softmax(-1), v)
@@ -114,14 +118,16 @@ def reference(
 def time_case(
     variant: str, shape: tuple[int, int, int], batch: int, context: int, workspace: torch.Tensor
 ) -> dict[str, Any]:
-    """µs a layer (median replay of LAYERS calls), the plan's host µs, and the error."""
+    """µs a layer (median replay of LAYERS calls), the plan's host µs, and the error. The
+    caches are flare's ([slots, 2, kv_heads, dim]); FlashInfer reads them as flare hands
+    them over, K and V as strided "NHD" page views."""
     heads, kv_heads, dim = shape
     pages = -(-context // PAGE)
     device = workspace.device
     generator = torch.Generator(device=device).manual_seed(batch * 7919 + context)
     caches = [
         torch.randn(
-            (batch * pages, 2, PAGE, kv_heads, dim),
+            (batch * pages * PAGE, 2, kv_heads, dim),
             dtype=torch.bfloat16,
             device=device,
             generator=generator,
@@ -129,18 +135,14 @@ def time_case(
         for _ in range(LAYERS)
     ]
     q = torch.randn((batch, heads, dim), dtype=torch.bfloat16, device=device, generator=generator)
-    out = torch.empty_like(q)
-    decode = wrapper(variant, batch, pages, workspace)
-    plan(variant, decode, batch, context, shape)
-    planned = _host_us(lambda: plan(variant, decode, batch, context, shape))
-    decode.run(q, caches[0], out=out)
+    run, planned = caller(variant, shape, q, batch, context, pages, workspace)
+    out = run(caches[0])
     torch.cuda.synchronize()
-    # caches[0] as [pages, 2, page, kv_heads, dim] is FlashInfer's "NHD" K/V pair per page
-    error = (out.float() - reference(q, caches[0].transpose(1, 2), batch, context, pages)).abs()
+    error = (out.float() - reference(q, caches[0], batch, context, pages)).abs()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for cache in caches:
-            decode.run(q, cache, out=out)
+            run(cache)
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -157,6 +159,43 @@ def time_case(
         "plan_us": round(planned, 1),
         "max_abs_error": round(error.max().item(), 4),
     }
+
+
+def caller(
+    variant: str,
+    shape: tuple[int, int, int],
+    q: torch.Tensor,
+    batch: int,
+    context: int,
+    pages: int,
+    workspace: torch.Tensor,
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], float]:
+    """A layer's call of `variant` on a cache, returning its output (planned first, unless
+    flare's), and the host µs of its plan."""
+    heads, kv_heads, dim = shape
+    if variant == "flare":
+        from flare.serve.engine.decode_attention import DecodeWorkspace, paged_decode
+
+        device = q.device
+        indptr = torch.arange(0, batch * pages + 1, pages, dtype=torch.int32, device=device)
+        indices = torch.arange(batch * pages, dtype=torch.int32, device=device)
+        lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+        space = DecodeWorkspace(batch, kv_heads, heads // kv_heads, dim, device)
+
+        def run(cache: torch.Tensor) -> torch.Tensor:
+            return paged_decode(q, cache, indptr, indices, lengths, dim**-0.5, PAGE, space)
+
+        return run, 0.0
+    decode = wrapper(variant, batch, pages, workspace)
+    plan(variant, decode, batch, context, shape)
+    planned = _host_us(lambda: plan(variant, decode, batch, context, shape))
+    out = torch.empty_like(q)
+    paged = (batch * pages, PAGE, kv_heads, dim)
+
+    def fi_run(cache: torch.Tensor) -> torch.Tensor:
+        return decode.run(q, (cache[:, 0].view(paged), cache[:, 1].view(paged)), out=out)
+
+    return fi_run, planned
 
 
 def _host_us(action: Callable[[], None]) -> float:

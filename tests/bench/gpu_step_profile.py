@@ -17,7 +17,7 @@ stepped through their prefill and WARMUP decode steps, then:
 - the host time by phase: STEPS more steps with the engine's phases timed where they are
   called (`host_us_per_step`: scheduling, the step's input lists, the step's run (on a GPU
   its launch; on a CPU the forward itself), and within it on the CUDA-graph path the
-  staging of a step and FlashInfer's plan and the replay, the
+  staging of a step (a prefill graph's with FlashInfer's plan) and the replay, the
   sampler's launch, the landing of a step with its wait for the device apart, and the
   delivery of its tokens: detokenizing, the deltas), each phase's microseconds a step,
   nested ones inside their caller's (a timer costs about 0.3 µs a call, and delivery is one
@@ -190,7 +190,6 @@ def host_phases(
     """`steps` runs of `work` (default: an engine step of the n sequences decoding), with
     each phase of the host's work timed where it is called: microseconds a run by phase
     (nested phases also count in their caller's)."""
-    from flare.serve.engine import cuda_graphs
     from flare.serve.engine.flashinfer_attention import FlashInferGraphPrefill
 
     spent: dict[str, float] = {}
@@ -206,7 +205,6 @@ def host_phases(
     if graphs is not None:
         phases += [
             ("graph: stage", graphs, "_fill"),
-            ("graph: FlashInfer plan", cuda_graphs.FlashInferGraphDecode, "plan_pages"),
             ("graph: replay", torch.cuda.CUDAGraph, "replay"),
         ]
     if getattr(runner, "prefills", None) is not None:  # a flare with prefill graphs
