@@ -74,10 +74,7 @@ def compile_forward(spec: dict[str, Any], out: Path) -> dict[str, Any]:
         linear.build_kernels(device)
     if isinstance(attention, FlashInferPagedAttention):  # it serves decodes from CUDA graphs
         graph_step.build_kernels(model.vocab_size, dtype, device)
-        spec = model.attention_spec
-        decode_attention.build_kernels(
-            spec.num_heads, spec.num_kv_heads, spec.head_dim, block, dtype, device
-        )
+        decode_attention.build_kernels(model.attention_spec, block, dtype, device)
     made = compilations.snapshot() - before
     if made.compiled != forward.graphs or made.traced != forward.graphs:
         raise RuntimeError(

@@ -29,6 +29,7 @@ graph stages them in the one copy that stages its inputs, with no plan.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +37,7 @@ import torch
 from flare.serve.engine.dependent_launch import chained
 
 if TYPE_CHECKING:
+    from flare.serve.engine.attention import AttentionSpec
     from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention
 
 try:
@@ -50,9 +52,18 @@ nobody; a longer one has more splits."""
 MAX_SPLITS = 32
 """The most splits a sequence has: an 8K context is 32 splits of 256 (with 8 KV heads, 256
 programs at batch 1); longer ones have longer splits."""
-BLOCK_N = 64
-"""Tokens a program reads a loop step (four 16-token pages)."""
-WARPS = 4
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How a program reads its split: tokens a loop step, the loop's pipeline depth, warps."""
+
+    block_n: int = 64
+    stages: int = 3
+    warps: int = 4
+
+
+TILING = Tiling()
 
 
 def splits(length: int) -> tuple[int, int]:
@@ -139,12 +150,14 @@ def paged_decode(
     page: int,
     workspace: DecodeWorkspace,
     grid_programs: int | None = None,
+    tiling: Tiling = TILING,
 ) -> torch.Tensor:
     """Attention of each sequence's one query token over its context: q [batch, heads, dim]
     (contiguous), `cache` a layer's [slots, 2 (K, V), kv_heads, dim] (contiguous; slot = page
     * `page` + offset), sequence i's pages `indices[indptr[i]:indptr[i + 1]]` holding its
     `lengths[i]` tokens (int32, on the device). Returns [batch, heads, dim] in q's dtype.
-    `grid_programs` overrides `programs` (tests: the grid must not change the output)."""
+    `grid_programs` overrides `programs` (tests: the grid must not change the output), and
+    `tiling` the loop's (benches)."""
     batch, heads, dim = q.shape
     kv_heads = cache.shape[2]
     group = heads // kv_heads
@@ -157,8 +170,9 @@ def paged_decode(
         q, cache, indptr, indices, lengths, out,
         workspace.parts, workspace.stats, workspace.counts, scale * math.log2(math.e),
         KV_HEADS=kv_heads, GROUP=group, ROWS=max(16, triton.next_power_of_2(group)),
-        DIM=dim, PAGE=page, BLOCK_N=BLOCK_N, CHUNK=CHUNK, MAX_SPLITS=MAX_SPLITS,
-        DEPENDENT=dependent, num_warps=WARPS, launch_pdl=dependent,
+        GROUP_ROWS=triton.next_power_of_2(group), DIM=dim, PAGE=page, BLOCK_N=tiling.block_n,
+        CHUNK=CHUNK, MAX_SPLITS=MAX_SPLITS, DEPENDENT=dependent,
+        num_warps=tiling.warps, num_stages=tiling.stages, launch_pdl=dependent,
     )  # fmt: skip
     return out
 
@@ -169,9 +183,9 @@ if triton is not None:
     def _paged_decode_kernel(
         q_ptr, cache_ptr, indptr_ptr, indices_ptr, lengths_ptr, out_ptr,
         parts_ptr, stats_ptr, counts_ptr, scale_log2,
-        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr,
-        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-        MAX_SPLITS: tl.constexpr, DEPENDENT: tl.constexpr,
+        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+        GROUP_ROWS: tl.constexpr, DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+        CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr, DEPENDENT: tl.constexpr,
     ):  # fmt: skip
         """Program (sequence, KV head, p): the sequence's splits p, p + programs, ... for
         the GROUP query heads of that KV head; the last of its programs to finish merges
@@ -232,55 +246,50 @@ if triton is not None:
             counter = counts_ptr + seq * KV_HEADS + head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == tl.minimum(step, count) - 1:
-                _merge(out_ptr + heads_at, parts_ptr, stats_ptr, kept, dims, row_ok, count,
-                       GROUP, DIM, ROWS)  # fmt: skip
+                base = (seq * KV_HEADS + head) * MAX_SPLITS * GROUP
+                _merge(out_ptr + (seq * KV_HEADS + head) * GROUP * DIM, parts_ptr + base * DIM,
+                       stats_ptr + base * 2, count, GROUP, GROUP_ROWS, DIM, MAX_SPLITS)  # fmt: skip
                 tl.atomic_xchg(counter, 0)
 
     @triton.jit
     def _merge(
-        out_at, parts_ptr, stats_ptr, kept, dims, row_ok, count,
-        GROUP: tl.constexpr, DIM: tl.constexpr, ROWS: tl.constexpr,
+        out_ptr, parts_ptr, stats_ptr, count,
+        GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, DIM: tl.constexpr,
+        MAX_SPLITS: tl.constexpr,
     ):  # fmt: skip
-        """The splits' outputs weighted by exp2(their maximum - the greatest), in split
-        order, over their sums so weighted: the softmax over the whole context."""
-        top = tl.full((ROWS, 1), float("-inf"), tl.float32)
-        for split in range(0, count):
-            at = kept + split * GROUP
-            part_top = tl.load(
-                stats_ptr + at * 2, mask=row_ok[:, None], other=0.0, cache_modifier=".cg"
-            )
-            top = tl.maximum(top, part_top)
-        acc = tl.zeros((ROWS, DIM), tl.float32)
-        total = tl.zeros((ROWS, 1), tl.float32)
-        for split in range(0, count):
-            at = kept + split * GROUP
-            part_top = tl.load(
-                stats_ptr + at * 2, mask=row_ok[:, None], other=0.0, cache_modifier=".cg"
-            )
-            part_total = tl.load(
-                stats_ptr + at * 2 + 1, mask=row_ok[:, None], other=1.0, cache_modifier=".cg"
-            )
-            part = tl.load(
-                parts_ptr + at * DIM + dims[None, :],
-                mask=row_ok[:, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            weight = tl.exp2(part_top - top)
-            acc += part * weight
-            total += part_total * weight
-        tl.store(out_at, (acc / total).to(out_at.dtype.element_ty), mask=row_ok[:, None])
+        """The splits' outputs weighted by exp2(their maximum - the greatest), over their
+        sums so weighted: the softmax over the whole context. Every split is read at once
+        (one load each of the maxima, the sums and the outputs, [MAX_SPLITS, GROUP, DIM]),
+        the splits past `count` as zeros, and summed in one fixed order."""
+        splits = tl.arange(0, MAX_SPLITS)[:, None]
+        rows = tl.arange(0, GROUP_ROWS)[None, :]
+        there = (splits < count) & (rows < GROUP)
+        at = splits * GROUP + rows
+        tops = tl.load(stats_ptr + at * 2, mask=there, other=float("-inf"), cache_modifier=".cg")
+        sums = tl.load(stats_ptr + at * 2 + 1, mask=there, other=0.0, cache_modifier=".cg")
+        top = tl.max(tops, 0)
+        weights = tl.where(there, tl.exp2(tops - top[None, :]), 0.0)
+        total = tl.sum(sums * weights, 0)
+        dims = tl.arange(0, DIM)[None, None, :]
+        parts = tl.load(
+            parts_ptr + at[:, :, None] * DIM + dims, mask=there[:, :, None], other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip
+        merged = tl.sum(parts * weights[:, :, None], 0) / total[:, None]
+        out_at = out_ptr + tl.arange(0, GROUP_ROWS)[:, None] * DIM + tl.arange(0, DIM)[None, :]
+        row_ok = tl.arange(0, GROUP_ROWS)[:, None] < GROUP
+        tl.store(out_at, merged.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-def build_kernels(
-    heads: int, kv_heads: int, head_dim: int, page: int, dtype: torch.dtype, device: torch.device
-) -> None:
+def build_kernels(spec: AttentionSpec, page: int, dtype: torch.dtype, device: torch.device) -> None:
     """Launch `paged_decode` once as a decode graph does, so Triton compiles it now, into its
     cache folder (which a package's compile phase packs), not at a start."""
-    pages = torch.arange(2, dtype=torch.int32, device=device)
-    cache = torch.zeros((2 * page, 2, kv_heads, head_dim), dtype=dtype, device=device)
-    q = torch.zeros((1, heads, head_dim), dtype=dtype, device=device)
-    workspace = DecodeWorkspace(1, kv_heads, heads // kv_heads, head_dim, device)
-    table = torch.tensor([0, 2], dtype=torch.int32, device=device)
-    lengths = torch.tensor([page + 1], dtype=torch.int32, device=device)
-    paged_decode(q, cache, table, pages, lengths, 1.0, page, workspace)
+    heads, kv_heads, dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    cache = torch.zeros((2 * page, 2, kv_heads, dim), dtype=dtype, device=device)
+    q = torch.zeros((1, heads, dim), dtype=dtype, device=device)
+    workspace = DecodeWorkspace(1, kv_heads, heads // kv_heads, dim, device)
+    indptr, pages, lengths = (
+        torch.tensor(values, dtype=torch.int32, device=device)
+        for values in ([0, 2], [0, 1], [page + 1])
+    )  # each its own allocation: aligned, as a graph's are, which Triton's key records
+    paged_decode(q, cache, indptr, pages, lengths, 1.0, page, workspace)

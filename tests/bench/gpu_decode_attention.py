@@ -13,7 +13,8 @@ two layers' attention), median replay over REPLAYS:
   step is (its split chosen for the case, or none), the planned calls then captured: what a
   kernel needs when its split fits the case;
 - `flare`: flare's own decode kernel (serve/engine/decode_attention.py), which decode graphs
-  run; it has no plan (its `plan_us` is 0).
+  run; it has no plan (its `plan_us` is 0). `flare:BLOCK_N:STAGES:WARPS` runs it with another
+  `Tiling`.
 
 Each variant's output is compared with torch's attention in float32 on the same cache (max
 abs). And the host time of one plan (µs, median of PLANS). Cases: batch 1, 16, 64 at contexts
@@ -173,8 +174,10 @@ def caller(
     """A layer's call of `variant` on a cache, returning its output (planned first, unless
     flare's), and the host µs of its plan."""
     heads, kv_heads, dim = shape
-    if variant == "flare":
-        from flare.serve.engine.decode_attention import DecodeWorkspace, paged_decode
+    if variant.startswith("flare"):
+        from flare.serve.engine.decode_attention import DecodeWorkspace, Tiling, paged_decode
+
+        tiling = Tiling(*map(int, variant.split(":")[1:]))
 
         device = q.device
         indptr = torch.arange(0, batch * pages + 1, pages, dtype=torch.int32, device=device)
@@ -183,7 +186,10 @@ def caller(
         space = DecodeWorkspace(batch, kv_heads, heads // kv_heads, dim, device)
 
         def run(cache: torch.Tensor) -> torch.Tensor:
-            return paged_decode(q, cache, indptr, indices, lengths, dim**-0.5, PAGE, space)
+            scale = dim**-0.5
+            return paged_decode(
+                q, cache, indptr, indices, lengths, scale, PAGE, space, tiling=tiling
+            )
 
         return run, 0.0
     decode = wrapper(variant, batch, pages, workspace)
