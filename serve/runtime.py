@@ -47,7 +47,7 @@ from flare.serve.memory_plan import (
     memory_size,
     parameter_bytes,
 )
-from flare.serve.models import linear, load_model, model_kind
+from flare.serve.models import WeightsLoading, linear, model_kind, start_model
 from flare.serve.models.files import PackageFiles, Quarantine
 from flare.serve.rank_group import LeaderRunner, RankGroup
 from flare.serve.truncation import Truncation
@@ -132,26 +132,31 @@ def load_runtime(
         prepared = runtime_artifacts(package, target.type, compile_mode, compile_root)
     tuned = prepared.decisions.torch_dtype if prepared.decisions else None
     dtype = dtype or default_dtype(target, tuned)
-    model = load_model(package, target, dtype, group.shard if group is not None else None)
+    model, loading = start_model(package, target, dtype, group.shard if group is not None else None)
     runtime: Runtime
-    if kind == "embed":
-        runtime, kv = EmbedRuntime(package, model), None
-    else:
-        kv = _kv_sizing(model, target, dtype, memory_reserve, kv_cache_tokens)
-        ranks = (group, on_group_failure) if group is not None else None
-        runtime = GenerateRuntime(
-            package,
-            model,
-            target,
-            dtype,
-            kv.tokens,
-            attention,
-            prepared,
-            ranks,
-            cuda_graphs,
-            batch_invariant,
-            prefill_graphs,
-        )
+    try:
+        if kind == "embed":
+            loading.wait()
+            runtime, kv = EmbedRuntime(package, model), None
+        else:
+            kv = _kv_sizing(model, target, dtype, memory_reserve, kv_cache_tokens)
+            ranks = (group, on_group_failure) if group is not None else None
+            runtime = GenerateRuntime(
+                package,
+                model,
+                target,
+                dtype,
+                kv.tokens,
+                attention,
+                prepared,
+                ranks,
+                cuda_graphs,
+                batch_invariant,
+                prefill_graphs,
+                loading,
+            )
+    finally:  # on any failure too: no thread may go on writing into the model
+        loading.wait()
     runtime.memory_plan = _memory_plan(runtime, model, target, dtype, kv, memory_reserve, world)
     return runtime
 
@@ -282,13 +287,18 @@ class GenerateRuntime(Runtime):
         cuda_graphs: bool = True,
         batch_invariant: bool = False,
         prefill_graphs: bool | None = None,
+        weights: WeightsLoading | None = None,
     ) -> None:
         """With `batch_invariant`, every product of a decode batch up to 64 sums each row as
         it would alone (serve/models/linear.py), each prompt is prefilled whole (no cached
         prefix reused) in a step of its own (the scheduler), so a greedy request's tokens do
         not depend on the others, nor on what ran before; prefill steps replay CUDA graphs
         beside the decode steps' unless `prefill_graphs` is off (None: off with
-        `batch_invariant` only, as padding would break its promise)."""
+        `batch_invariant` only, as padding would break its promise). `weights`, where the
+        model's weights are still being read (load_runtime): the KV cache is made and the
+        compiled forward warmed up meanwhile, and the read awaited before any graph is
+        captured (a capture records the device's work, not values, but no other thread may
+        use the device while a graph is captured)."""
         linear.keep_rows_invariant(batch_invariant)
         prepared = prepared or RuntimeArtifacts("eager", None, why="none was asked for")
         decisions = prepared.decisions
@@ -321,6 +331,8 @@ class GenerateRuntime(Runtime):
         blocks = BlockManager(usable, block, reuse_prefixes=not batch_invariant)
         batched_tokens = int(options.get("prefill_chunk", MAX_BATCHED_TOKENS))
         if ranks is not None:
+            if weights is not None:  # a rank's forward runs eagerly: nothing to overlap
+                weights.wait()
             group, on_failure = ranks
             runner: ModelRunner = LeaderRunner(
                 model, attention, block, device, group, on_failure or (lambda exc: None)
@@ -331,6 +343,8 @@ class GenerateRuntime(Runtime):
             runner, self.start_report = _start_forward(
                 model, attention, block, device, prepared, blocks
             )
+            if weights is not None:
+                weights.wait()
             if graphs is not None:
                 shape = (max_concurrency, batched_tokens, usable)
                 prefills = not batch_invariant if prefill_graphs is None else prefill_graphs

@@ -2,11 +2,15 @@
 
 Each family builds itself from the package's files (`create`) and loads its weights by
 Hugging Face tensor name (`load_weights`); `load_model` does both, on the meta device first
-so no memory is spent on initial values that the payloads overwrite.
+so no memory is spent on initial values that the payloads overwrite, and `start_model` does
+the same with the weights read on a thread while its caller goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +78,58 @@ def load_model(
 ) -> nn.Module:
     """The package's model on `device` in `dtype`, weights loaded, in eval mode; with a
     `shard`, that rank's part of it, read from the shared payloads and its own only."""
+    model, loading = start_model(files, device, dtype, shard)
+    loading.wait()
+    return model
+
+
+class WeightsLoading:
+    """A package's weights being copied into a model's parameters on a thread of its own, so
+    that the caller may meanwhile run the model (trace and warm up its compiled forward,
+    whose results it drops: the values are not yet the weights) and `wait` before anything
+    counts. The parameters are written in place (their addresses do not change), on a CUDA
+    stream of the thread's own that is drained before the thread ends. While it runs, the
+    interpreter switches threads every SWITCH_S rather than every 5 ms: the load takes the
+    GIL back between its reads and copies, which a busy main thread (Dynamo tracing) would
+    otherwise hold for whole switch intervals."""
+
+    SWITCH_S = 1e-4
+
+    def __init__(self, model: nn.Module, files: PackageFiles, device: torch.device, rank: int):
+        self._error: BaseException | None = None
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch, self.SWITCH_S))
+        self._thread = threading.Thread(
+            target=self._load, args=(model, files, device, rank), name="flare-weights"
+        )
+        self._thread.start()
+
+    def _load(self, model: nn.Module, files: PackageFiles, device: torch.device, rank: int):
+        try:
+            stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                model.load_weights(files.tensors(rank, staging_for(device)))
+            if stream is not None:
+                stream.synchronize()
+        except BaseException as exc:  # raised again by wait(), on the caller's thread
+            self._error = exc
+
+    def wait(self) -> None:
+        """Return once every weight is in place, or raise what stopped the load."""
+        self._thread.join()
+        sys.setswitchinterval(self._switch)
+        if self._error is not None:
+            raise self._error
+
+
+def start_model(
+    files: PackageFiles, device: torch.device, dtype: torch.dtype, shard: Shard | None = None
+) -> tuple[nn.Module, WeightsLoading]:
+    """The package's model on `device` in `dtype` and eval mode, its parameters allocated,
+    and its weights being loaded into them (`WeightsLoading`: wait before using its
+    results); with a `shard`, that rank's part of it, read from the shared payloads and its
+    own only. A config the manifest refutes, or that describes no model of the recipe, is
+    refused before anything is allocated."""
     shard = shard or Shard()
     create = _family(files)[1]
     _check_config(files)
@@ -89,9 +145,8 @@ def load_model(
     )
     with torch.device("meta"):
         model = _create(create, files, shard)
-    model = model.to_empty(device=device).to(dtype)
-    model.load_weights(files.tensors(shard.rank, staging_for(device)))
-    return model.eval()
+    model = model.to_empty(device=device).to(dtype).eval()
+    return model, WeightsLoading(model, files, device, shard.rank)
 
 
 def _check_config(files: PackageFiles) -> None:

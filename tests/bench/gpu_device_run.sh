@@ -43,7 +43,7 @@ for stage in "$@"; do
     gate) python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=500 $gate ;;
     launch) python3 tests/bench/gpu_launch_cost.py --out "$out" ;;
     attend) python3 tests/bench/gpu_decode_attention.py --shapes "${SHAPES:-1b,8b}" \
-      --variants "${VARIANTS:-tc-graph,cc-graph,tc-eager,cc-eager}" --out "$out" ;;
+      --variants "${VARIANTS:-flare,cc-graph,cc-eager}" --out "$out" ;;
     serve1b) python3 tests/bench/gpu_serving.py --shapes 1b "${serving[@]}" --skip-in-process \
       --without-prefill-graphs --out "$out" ;;
     serve8b) python3 tests/bench/gpu_serving.py --shapes 8b "${serving[@]}" --out "$out/s8b" ;;
