@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -222,3 +223,46 @@ def test_staging_refuses_a_file_shorter_than_its_size(tmp_path: Path) -> None:
     path.write_bytes(bytes(20))
     with open(path, "rb") as handle, pytest.raises(EOFError, match="ended at byte 20, 1 short"):
         Staging(CPU, 7, 2).read(handle.fileno(), 21)
+
+
+def test_a_model_started_runs_while_its_weights_arrive_and_has_them_once_awaited(
+    cache: tuple[HostCache, Manifest],
+) -> None:
+    """`start_model` hands the model back before its weights are in (load_runtime warms the
+    compiled forward up meanwhile); its parameters keep their tensors (a graph captured
+    after holds their addresses), and once awaited they are what `load_model` gives. The
+    interpreter's switch interval, short while the weights are read, is back after."""
+    host, manifest = cache
+    switch = sys.getswitchinterval()
+    model, loading = models.start_model(package_files(host, manifest), CPU, torch.float32)
+    held = {name: p.data_ptr() for name, p in model.named_parameters()}
+    with torch.no_grad():  # the caller may run the model meanwhile: its results are dropped
+        model.model.embed_tokens(torch.tensor([[1, 2]]))
+    loading.wait()
+    assert sys.getswitchinterval() == switch
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == held
+    want = dict(
+        models.load_model(package_files(host, manifest), CPU, torch.float32).named_parameters()
+    )
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, want[name]), name
+
+
+def test_a_corrupt_payload_read_beside_the_warm_up_fails_the_load_runtime_way(
+    cache: tuple[HostCache, Manifest],
+) -> None:
+    """The weights' thread stops at a corrupt payload; `load_runtime`, which warmed the
+    forward up meanwhile, raises that error (not a later one of its own), quarantines the
+    blob, and leaves the switch interval as it found it."""
+    from flare.serve.runtime import load_runtime
+
+    host, manifest = cache
+    path = host.files(manifest)[str(largest(manifest).digest)]
+    rot(path, -1)
+    switch = sys.getswitchinterval()
+    with pytest.raises(IntegrityError, match="is corrupt on this host"):
+        load_runtime(
+            manifest, host.files(manifest), quarantine=host.quarantine_if_corrupt, cuda_graphs=False
+        )
+    assert sys.getswitchinterval() == switch
+    assert not path.exists()
