@@ -18,7 +18,6 @@ from flare.serve.engine.decode_attention import (
     DecodeWorkspace,
     paged_decode,
     programs,
-    splits,
 )
 
 PAGE = 16
@@ -72,16 +71,6 @@ def _run(q, cache, indptr, pages, lengths, grid_programs=None) -> torch.Tensor:
     )
     assert not workspace.counts.any(), "a merge left its counter set: the next launch breaks"
     return out.float().cpu()
-
-
-def test_splits_follow_the_length_alone() -> None:
-    assert splits(1) == (CHUNK, 1)
-    assert splits(CHUNK) == (CHUNK, 1)
-    assert splits(CHUNK + 1) == (CHUNK, 2)
-    assert splits(MAX_SPLITS * CHUNK) == (CHUNK, MAX_SPLITS)
-    chunk, count = splits(MAX_SPLITS * CHUNK + 1)  # longer contexts take longer splits
-    assert count <= MAX_SPLITS and chunk * count >= MAX_SPLITS * CHUNK + 1
-    assert chunk % CHUNK == 0
 
 
 def test_programs_fill_the_device_and_stop_at_the_splits() -> None:

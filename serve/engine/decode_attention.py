@@ -11,9 +11,9 @@ FA3 on Hopper, was slower still). `paged_decode` is one kernel with no plan:
 - a program attends one sequence's query heads that share a KV head (GROUP of them, padded
   to ROWS for the tensor cores' product) over one *split* of its context at a time, a
   `Tiling`'s tokens a loop step, each token's key and value read through the page table;
-- a sequence of `length` tokens has `splits(length)` splits of whole CHUNKs, at most
-  MAX_SPLITS: more for longer contexts, so a long one at batch 1 is read by 256 programs at
-  once and a short one by one program, with no merge;
+- a sequence of `length` tokens has cdiv(length, chunk) splits of `chunk` tokens, the
+  fewest whole CHUNKs that make at most MAX_SPLITS of them: more for longer contexts, so a
+  long one at batch 1 is read by 256 programs at once and a short one by one program, with no merge;
 - the grid gives each (sequence, KV head) `programs` programs, from the batch size (about
   two programs a multiprocessor in all), which take the splits in turn; each split's
   float32 output, row maximum and sum go to a workspace, and the last of the sequence's
@@ -68,13 +68,6 @@ class Tiling:
 
 
 TILING = Tiling()
-
-
-def splits(length: int) -> tuple[int, int]:
-    """A context's split length (whole CHUNKs) and how many splits it has: from its length
-    alone (the kernel works the same out)."""
-    chunk = CHUNK * _cdiv(_cdiv(length, CHUNK), MAX_SPLITS)
-    return chunk, _cdiv(length, chunk)
 
 
 def _cdiv(a: int, b: int) -> int:
