@@ -7,6 +7,7 @@ import functools
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 def log(message: str) -> None:
@@ -91,3 +93,21 @@ def flare_env(home: Path, config_home: Path, **settings: str | None) -> dict[str
     env["FLARE_BUILD_TARGET"] = "none"  # builds prepare nothing unless a bench asks (--target)
     env.update({f"FLARE_{key.upper()}": value for key, value in settings.items() if value})
     return env
+
+
+def replay_seconds(graph: Any, replays: int) -> float:
+    """The median seconds of `replays` replays of a captured CUDA graph, each timed by CUDA
+    events around it (after one untimed replay)."""
+    import torch
+
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)

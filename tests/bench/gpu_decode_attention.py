@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import replay_seconds
 
 SHAPES = {"1b": (32, 8, 64), "8b": (32, 8, 128)}
 """Query heads, KV heads, head size."""
@@ -144,19 +145,10 @@ def time_case(
     with torch.cuda.graph(graph):
         for cache in caches:
             run(cache)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / LAYERS)
+    seconds = replay_seconds(graph, REPLAYS)
     del graph, caches
     return {
-        "us_per_layer": round(statistics.median(times), 2),
+        "us_per_layer": round(1e6 * seconds / LAYERS, 2),
         "plan_us": round(planned, 1),
         "max_abs_error": round(error.max().item(), 4),
     }

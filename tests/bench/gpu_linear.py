@@ -30,7 +30,6 @@ import contextlib
 import itertools
 import json
 import math
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import replay_seconds
 
 from flare.serve.models.linear import Tiling, few_rows, tiling
 
@@ -82,18 +82,7 @@ def time_graph(run, weights: list[torch.Tensor]) -> float:
     with torch.cuda.graph(graph):
         for i in range(launches):
             run(weights[i % len(weights)])
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000 / launches)
-    del graph
-    return statistics.median(times)
+    return replay_seconds(graph, REPLAYS) / launches
 
 
 def check(x: torch.Tensor, weight: torch.Tensor, want: torch.Tensor, cut: Tiling) -> float:
@@ -244,17 +233,7 @@ def time_chain(weights: dict, x: torch.Tensor, way: Way) -> tuple[float, torch.T
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), launched_as(way):
         logits = chain_step(weights, x, way)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS * 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return statistics.median(times), logits.clone()
+    return replay_seconds(graph, REPLAYS * 3), logits.clone()
 
 
 def measure_chain(args: argparse.Namespace) -> dict:
