@@ -14,6 +14,8 @@ READER_THREAD = "flare-reader"
 """The API process's reader of the engine process's messages (serve/engine_client.py)."""
 SENDER_THREAD = "flare-sender"
 """The engine process's sender of each step's deltas (serve/engine_process.py)."""
+WEIGHTS_THREAD = "flare-weights"
+"""The weights' read into the model at start, beside the warm-up (serve/models/__init__.py)."""
 
 PR_SET_NAME = 15
 """prctl's option that names the calling thread for the OS."""

@@ -24,6 +24,7 @@ from flare.serve.models.files import PackageFiles, staging_for
 from flare.serve.models.fused import check_layout
 from flare.serve.models.llama import LlamaForCausalLM
 from flare.serve.models.shard import Shard
+from flare.serve.thread_names import WEIGHTS_THREAD, name_os_thread
 
 
 def _llama(files: PackageFiles, shard: Shard) -> nn.Module:
@@ -95,16 +96,19 @@ class WeightsLoading:
 
     SWITCH_S = 1e-4
 
-    def __init__(self, model: nn.Module, files: PackageFiles, device: torch.device, rank: int):
+    def __init__(
+        self, model: nn.Module, files: PackageFiles, device: torch.device, rank: int
+    ) -> None:
         self._error: BaseException | None = None
         self._switch = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch, self.SWITCH_S))
         self._thread = threading.Thread(
-            target=self._load, args=(model, files, device, rank), name="flare-weights"
+            target=self._load, args=(model, files, device, rank), name=WEIGHTS_THREAD
         )
         self._thread.start()
 
-    def _load(self, model: nn.Module, files: PackageFiles, device: torch.device, rank: int):
+    def _load(self, model: nn.Module, files: PackageFiles, device: torch.device, rank: int) -> None:
+        name_os_thread(WEIGHTS_THREAD)
         try:
             stream = torch.cuda.Stream(device) if device.type == "cuda" else None
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
