@@ -58,9 +58,10 @@ programs at batch 1); longer ones have longer splits."""
 @dataclass(frozen=True)
 class Tiling:
     """How a program reads its split: tokens a loop step, the loop's pipeline depth, warps.
-    The default was the fastest of seven on an H200 in 21 of 26 cases (1B and 8B heads,
-    batch 1-64, contexts 64-8,192: tests/bench/gpu_decode_attention.py); 64 tokens a step
-    was up to 1 µs faster for contexts of 64 tokens, and slower from 256 on."""
+    The default was the fastest of seven on an H200 in 17 of 26 cases (1B and 8B heads,
+    batch 1-64, contexts 64-8,192: tests/bench/gpu_decode_attention.py) and within 1.5 µs of
+    the fastest in the others but those of 64-token contexts, where 64 tokens a step was
+    0.6-2.7 µs faster (and slower from 512 tokens on)."""
 
     block_n: int = 128
     stages: int = 3
