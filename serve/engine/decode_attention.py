@@ -3,7 +3,7 @@ sequence's length alone, merged by the last of its programs.
 
 A decode graph used to run FlashInfer's decode kernel in its CUDA-graph mode, whose work split
 is fixed when the graph is captured and then always splits the KV and merges after. On an
-H200 (tests/bench/gpu_decode_attention.py, docs/performance.md) that took 13-17 µs a layer for
+H200 (tests/bench/gpu_decode_attention.py, docs/performance.md) that took 12-17 µs a layer for
 16 sequences of 256-512 tokens (1B heads) and 41 µs for 64 of 512, where their keys and values
 take 3-11 µs to read, and its plan cost the host 60-100 µs a step (the tensor-core variant,
 FA3 on Hopper, was slower still). `paged_decode` is one kernel with no plan:
