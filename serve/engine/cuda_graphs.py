@@ -45,7 +45,7 @@ import torch
 from flare.model_sizes import decode_batch_sizes
 from flare.serve.engine.decode_attention import DecodeWorkspace, GraphDecodeAttention
 from flare.serve.engine.device_io import settle
-from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention, page_counts
+from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention, pages_of
 from flare.serve.engine.graph_step import pick_rows, pick_scratch, take_inputs
 from flare.serve.engine.runner import Forward, FreshRows, StepInput, StepLogits
 from flare.serve.engine.sampler import RowMaxima
@@ -235,7 +235,7 @@ class DecodeGraphs:
         if fresh is not None:
             grid[3, fresh.rows] = fresh.sources
             self._keep_tokens(fresh.tokens)
-        pages, _ = page_counts(step.context_lens, self.block_size)
+        pages = pages_of(step.context_lens, self.block_size)
         starts = STAGED * top
         staged[starts] = 0
         np.cumsum(pages, out=staged[starts + 1 : starts + size + 1])

@@ -71,16 +71,11 @@ class Tiling:
 TILING = Tiling()
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def programs(batch: int, kv_heads: int, device: torch.device) -> int:
     """Programs a (sequence, KV head) gets at this batch size: about two a multiprocessor in
     all, a power of two, at most MAX_SPLITS (a split is one program's)."""
-    count = 2 * _multiprocessors(device)
-    wanted = _cdiv(count, batch * kv_heads)
-    return min(MAX_SPLITS, 1 << max(0, math.ceil(math.log2(wanted))))
+    wanted = -(-2 * _multiprocessors(device) // (batch * kv_heads))
+    return min(MAX_SPLITS, 1 << (wanted - 1).bit_length())
 
 
 def _multiprocessors(device: torch.device) -> int:

@@ -190,9 +190,14 @@ def page_table(
 
 def page_counts(context_lens: list[int], block_size: int) -> tuple[list[int], list[int]]:
     """Each sequence's pages (its blocks up to its context) and how full its last one is."""
-    pages = [-(-ctx // block_size) for ctx in context_lens]
     last = [(ctx - 1) % block_size + 1 for ctx in context_lens]
-    return pages, last
+    return pages_of(context_lens, block_size), last
+
+
+def pages_of(context_lens: list[int], block_size: int) -> list[int]:
+    """Each sequence's pages: its blocks up to its context (what a step that needs no last
+    page lengths asks, once a step)."""
+    return [-(-ctx // block_size) for ctx in context_lens]
 
 
 def _offsets(counts: list[int]) -> torch.Tensor:

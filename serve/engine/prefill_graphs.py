@@ -39,6 +39,7 @@ from flare.serve.engine.flashinfer_attention import (
     FlashInferGraphPrefill,
     FlashInferPagedAttention,
     page_counts,
+    pages_of,
 )
 from flare.serve.engine.graph_step import take_inputs
 from flare.serve.engine.runner import Forward, FreshRows, StepInput, StepLogits
@@ -166,7 +167,7 @@ class PrefillGraphs:
         token; a step of one token each is a decode graph's) that a bucket holds."""
         if all(n == 1 for n in step.query_lens):
             return False
-        pages, _ = page_counts(step.context_lens, self.block_size)
+        pages = pages_of(step.context_lens, self.block_size)
         found = bucket_of(self.shapes, len(step.query_lens), len(step.ids))
         return found is not None and sum(pages) <= self.max_pages
 
