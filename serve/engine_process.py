@@ -132,7 +132,7 @@ class EngineProcess:
 
     def __init__(self, device: str | None = None) -> None:
         """`device`: `--device` as given (None: CUDA where a GPU is), which the process
-        prepares while it waits (`prepare_device`)."""
+        prepares while it waits (`make_context`, `import_backends`)."""
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
         self.conn, theirs = context.Pipe()
         self.process = context.Process(
@@ -166,7 +166,11 @@ def engine_main(conn: Connection, device: str | None = None) -> None:
     from flare.serve.cache import HostCache  # torch's import, with the signals ignored
     from flare.serve.runtime import GenerateRuntime, load_runtime
 
-    prepare_device(device)
+    chosen = make_context(device)
+    imported = False
+    if not conn.poll():  # the pull runs on: import the backends while it does
+        import_backends(chosen)
+        imported = True
     try:
         kind, spec = conn.recv()
     except (EOFError, OSError):  # the API process did not need an engine after all
@@ -176,7 +180,12 @@ def engine_main(conn: Connection, device: str | None = None) -> None:
         cache = HostCache(spec.cache_root) if spec.cache_root is not None else None
         quarantine = cache.quarantine_if_corrupt if cache is not None else None
         runtime = load_runtime(
-            spec.manifest, spec.files, spec.device, quarantine=quarantine, **spec.options
+            spec.manifest,
+            spec.files,
+            spec.device,
+            quarantine=quarantine,
+            beside_read=None if imported else lambda: import_backends(chosen),
+            **spec.options,
         )
         if not isinstance(runtime, GenerateRuntime):
             raise FlareError(f"package {spec.manifest.name} does not generate text")
@@ -188,25 +197,36 @@ def engine_main(conn: Connection, device: str | None = None) -> None:
     _EngineSide(conn, runtime).serve()
 
 
-def prepare_device(asked: str | None) -> None:
-    """What loading any generating package on the device `--device` picks needs, done while
-    the API process imports and pulls (this process would only wait then): on CUDA the
-    device's context, cuBLAS's handle and FlashInfer's import; Inductor's import (the
-    compiled forward's loader). Each used to run after the package was known, on the path
-    to ready (docs/performance.md). Here, not on a thread beside the load: a module that
-    two threads import at once can be seen half-initialized, and such a thread slowed the
-    weights' read on the H200. A device the API process refuses is left for it to name."""
+def make_context(asked: str | None) -> str | None:
+    """The device `--device` picks (None where the API process will refuse it, and name
+    it), with its CUDA context made: what the weights' read needs, done while the API
+    process imports and pulls (this process would only wait then)."""
     import torch
 
-    from flare.serve import flashinfer_modules
     from flare.serve.compat import choose_device
 
     try:
         device = choose_device(asked)
     except FlareError:
-        return
+        return None
     if device == "cuda":
         torch.empty(1, device=device)  # the context: the first CUDA call makes it
+    return device
+
+
+def import_backends(device: str | None) -> None:
+    """What loading a generating package needs beyond the weights' read: on CUDA cuBLAS's
+    handle and FlashInfer's import; Inductor's import (the compiled forward's loader). Each
+    used to run after the package was known, on the path to ready (docs/performance.md).
+    Run while the pull goes on, or, once the package is known, on the main thread beside the
+    weights' read (load_runtime's `beside_read`), which takes a second or more for billions
+    of parameters: never on a thread of its own, as a module that two threads import at once
+    can be seen half-initialized (and such a thread slowed the read on the H200)."""
+    import torch
+
+    from flare.serve import flashinfer_modules
+
+    if device == "cuda":
         torch.cuda.current_blas_handle()
         if flashinfer_modules.available():
             import flashinfer  # noqa: F401

@@ -94,6 +94,7 @@ def load_runtime(
     cuda_graphs: bool = True,
     batch_invariant: bool = False,
     prefill_graphs: bool | None = None,
+    beside_read: Callable[[], None] | None = None,
 ) -> Runtime:
     """Load the package's model on `device` (fp32 on CPU, bf16 elsewhere unless `dtype` or
     the package's tuning says otherwise); `files` maps every blob's digest text to a local
@@ -113,7 +114,10 @@ def load_runtime(
 
     A multi-rank package loads as rank zero of `group` (serve/rank_group.py): its part of
     the model, its forward eager (`on_group_failure` hears of a step the ranks could not
-    run); the caller has started the other ranks."""
+    run); the caller has started the other ranks.
+
+    `beside_read` runs on this thread as soon as the weights' read has begun (the engine
+    process imports what the rest of the load needs there, rather than before the read)."""
     world = group.world if group is not None else 1
     if batch_invariant:
         refuse_invariance_over_ranks(manifest.name, world)
@@ -135,6 +139,8 @@ def load_runtime(
     model, loading = start_model(package, target, dtype, group.shard if group is not None else None)
     runtime: Runtime
     try:
+        if beside_read is not None:
+            beside_read()
         if kind == "embed":
             loading.wait()
             runtime, kv = EmbedRuntime(package, model), None

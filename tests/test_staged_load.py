@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,17 +204,27 @@ def test_a_truncated_blob_is_refused_and_quarantined(cache: tuple[HostCache, Man
     assert not path.exists()
 
 
-def test_staging_reads_any_length_in_chunks_and_hashes_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("slots", "readers"), [(2, 1), (3, 2), (4, 3)])
+def test_staging_reads_any_length_in_chunks_and_hashes_it(
+    tmp_path: Path, slots: int, readers: int
+) -> None:
     """The core alone: bytes in, the same bytes on the device and their digest out, for an
-    empty file, a file of one partial chunk, and one that ends inside the ring's third lap."""
-    for size in (0, 5, 7 * 3 * 3 + 4):
+    empty file, a file of one partial chunk, and one that ends inside the ring's third lap,
+    however many reads are in flight at once (each lands and is hashed in order)."""
+    for size in (0, 5, 7 * slots * 3 + 4):
         data = os.urandom(size)
         path = tmp_path / f"blob-{size}"
         path.write_bytes(data)
         with open(path, "rb") as handle:
-            tensor, digest = Staging(CPU, 7, 3).read(handle.fileno(), size)
+            tensor, digest = Staging(CPU, 7, slots, readers).read(handle.fileno(), size)
         assert tensor.dtype == torch.uint8 and bytes(tensor.numpy()) == data
         assert digest == hash_bytes(data)
+
+
+def test_staging_needs_a_free_buffer_beside_its_readers() -> None:
+    """As many readers as buffers would leave none to copy and hash from: refused."""
+    with pytest.raises(ValueError, match="3 readers need more than 3 ring buffers"):
+        Staging(CPU, 7, 3, 3)
 
 
 def test_staging_refuses_a_file_shorter_than_its_size(tmp_path: Path) -> None:
@@ -223,6 +234,8 @@ def test_staging_refuses_a_file_shorter_than_its_size(tmp_path: Path) -> None:
     path.write_bytes(bytes(20))
     with open(path, "rb") as handle, pytest.raises(EOFError, match="ended at byte 20, 1 short"):
         Staging(CPU, 7, 2).read(handle.fileno(), 21)
+    with open(path, "rb") as handle, pytest.raises(EOFError, match="ended at byte 20, 1 short"):
+        Staging(CPU, 7, 4, 3).read(handle.fileno(), 35)  # later reads past the end in flight
 
 
 def test_a_model_started_runs_while_its_weights_arrive_and_has_them_once_awaited(
@@ -266,3 +279,32 @@ def test_a_corrupt_payload_read_beside_the_warm_up_fails_the_load_runtime_way(
         )
     assert sys.getswitchinterval() == switch
     assert not path.exists()
+
+
+def test_what_runs_beside_the_read_fails_the_load_once_the_read_has_stopped(
+    cache: tuple[HostCache, Manifest],
+) -> None:
+    """The engine process imports its backends beside the weights' read (`beside_read`):
+    it runs once, on the caller's thread, while the weights' thread is started; if it fails,
+    `load_runtime` raises its error only once that thread has stopped writing into the model,
+    with the switch interval as it was."""
+    from flare.serve.runtime import load_runtime
+    from flare.serve.thread_names import WEIGHTS_THREAD
+
+    host, manifest = cache
+    switch = sys.getswitchinterval()
+    seen: list[str] = []
+
+    def fail() -> None:
+        seen.append(threading.current_thread().name)
+        raise RuntimeError("no backend here")
+
+    with pytest.raises(RuntimeError, match="no backend here"):
+        load_runtime(manifest, host.files(manifest), cuda_graphs=False, beside_read=fail)
+    assert seen == [threading.main_thread().name]
+    assert not [t for t in threading.enumerate() if t.name == WEIGHTS_THREAD]
+    assert sys.getswitchinterval() == switch
+    runtime = load_runtime(
+        manifest, host.files(manifest), cuda_graphs=False, beside_read=lambda: seen.append("ok")
+    )
+    assert seen[1:] == ["ok"] and runtime.kind == "generate"

@@ -3,8 +3,8 @@
 Copying a memory-mapped payload's tensors to a GPU one by one moves the weights through page
 faults and pageable host-to-device copies (the driver stages each through a bounce buffer of
 its own, a copy the host waits for), while the hash reads the map again from memory. `Staging`
-reads a payload instead with large sequential reads (`chunk` bytes each) into a small ring of
-pinned host buffers. Each chunk, once read, is copied
+reads a payload instead with large reads (`chunk` bytes each, READERS at a time on threads
+of their own) into a small ring of pinned host buffers. Each chunk, once read, is copied
 asynchronously on a side stream into one device buffer of the payload's size, and hashed on a
 thread of its own (BLAKE3 on all cores, the GIL released) while the next chunk is read: the
 reads, the hash and the copies overlap, so the payload arrives at about the speed the host
@@ -19,6 +19,7 @@ how the tests drive it (a CPU serves from memory maps, with no copy: see Package
 from __future__ import annotations
 
 import os
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -33,45 +34,83 @@ CPU's last-level cache more than a larger one (reads into 32 MiB buffers ran at 
 of reads into 4 MiB ones on the 2-core VM: every byte the DMA and the hash find in the cache
 is one DRAM does not move again). tests/bench/gpu_load.py --chunk-mb times other sizes."""
 
-SLOTS = 4
-"""Buffers in the ring: one being read into, the others' copies and hashes in flight."""
+READERS = 2
+"""Reads in flight at once, each on a thread of its own (a `preadv` releases the GIL): one
+thread's copies out of the page cache ran at 4.5-5.5 GB/s on the H200 against `cat`'s 6.6;
+tests/bench/gpu_load.py --readers times other counts."""
+
+SLOTS = 6
+"""Buffers in the ring: READERS being read into, the others' copies and hashes in flight."""
 
 Pending = tuple[torch.cuda.Event | None, Future[object]]
 """What must finish before a ring buffer is read into again: its copy, its hash."""
 
 
 class Staging:
-    """A ring of `slots` host buffers of `chunk` bytes (pinned on a GPU) through which payloads
-    reach `device`, and the side stream that copies them there."""
+    """A ring of `slots` host buffers of `chunk` bytes (pinned on a GPU), read into by
+    `readers` threads, through which payloads reach `device`, and the side stream that
+    copies them there."""
 
-    def __init__(self, device: torch.device, chunk: int = CHUNK, slots: int = SLOTS) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        chunk: int = CHUNK,
+        slots: int = SLOTS,
+        readers: int | None = None,
+    ) -> None:
+        """`readers`: READERS, or fewer where the ring is smaller (one buffer is always
+        free to be copied and hashed from)."""
+        readers = readers or min(READERS, slots - 1)
+        if not 1 <= readers < slots:
+            raise ValueError(f"{readers} readers need more than {readers} ring buffers")
         cuda = device.type == "cuda"
         self.device = device
         self.chunk = chunk
+        self.readers = readers
         self._ring = [torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda) for _ in range(slots)]
         self._views = [memoryview(buffer.numpy()) for buffer in self._ring]
         self._stream = torch.cuda.Stream(device) if cuda else None
 
     def read(self, fd: int, size: int) -> tuple[torch.Tensor, Digest]:
         """The first `size` bytes of the open file `fd`, in one uint8 tensor on the device,
-        and their digest. Every copy is done when this returns (the host waited for each), so
+        and their digest. Chunks are read `readers` at a time, each copied and hashed in
+        order once read; every copy is done when this returns (the host waited for each), so
         the tensor may be used on any stream; a file shorter than `size` raises EOFError."""
         target = torch.empty(size, dtype=torch.uint8, device=self.device)
         hasher = new_hasher()
         pending: list[Pending | None] = [None] * len(self._ring)
+        reading: deque[tuple[int, int, Future[None]]] = deque()  # slot, length, its read
         if self._stream is not None:  # the target's memory may be freed work's on this stream
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with ThreadPoolExecutor(1, thread_name_prefix="payload-hash") as hashing:
+        with (
+            ThreadPoolExecutor(1, thread_name_prefix="payload-hash") as hashing,
+            ThreadPoolExecutor(self.readers, thread_name_prefix="payload-read") as reads,
+        ):
+
+            def land(offset: int) -> None:
+                """The oldest read, done: its copy started and its hash queued, in order."""
+                slot, length, done = reading.popleft()
+                done.result()
+                copied = self._copy(slot, length, target[offset : offset + length])
+                pending[slot] = (copied, hashing.submit(hasher.update, self._views[slot][:length]))
+
             try:
+                landed = 0
                 for number, offset in enumerate(range(0, size, self.chunk)):
                     slot = number % len(self._ring)
                     _finish(pending[slot])
                     pending[slot] = None
                     view = self._views[slot][: min(self.chunk, size - offset)]
-                    read_exactly(fd, view, offset)
-                    copied = self._copy(slot, len(view), target[offset : offset + len(view)])
-                    pending[slot] = (copied, hashing.submit(hasher.update, view))
-            finally:  # a ring buffer is never left to a copy or a hash still reading it
+                    reading.append((slot, len(view), reads.submit(read_exactly, fd, view, offset)))
+                    if len(reading) == self.readers:
+                        land(landed)
+                        landed += self.chunk
+                while reading:
+                    land(landed)
+                    landed += self.chunk
+            finally:  # a ring buffer is never left to a read, copy or hash still using it
+                for _slot, _length, done in reading:
+                    done.exception()
                 for waiting in pending:
                     _finish(waiting)
         return target, Digest(hasher.hexdigest())

@@ -10,10 +10,10 @@ alternating rounds, all in the same run:
 - `mapped`: `PackageFiles.tensors` without staging into an empty model on the device: each
   tensor a view of the map, hashed on other threads, copied into its parameter (the CPU's
   loader, and the GPU's before staging);
-- `staged N MiB`: `PackageFiles.tensors` through `Staging` (N MiB reads, `--chunk-mb`, into
-  pinned buffers, each hashed and copied on a side stream into one device buffer per payload,
-  checked, then copied device to device into the model), the pinned buffers' allocation
-  included.
+- `staged N MiB x R`: `PackageFiles.tensors` through `Staging` (N MiB reads, `--chunk-mb`,
+  R of them in flight at once, `--readers`, into pinned buffers, each hashed and copied on a
+  side stream into one device buffer per payload, checked, then copied device to device into
+  the model), the pinned buffers' allocation included.
 
 `staging_for(device)` picks what `flare serve` runs on that device (marked "ships"). Each
 load ends when the device is idle. Before any timing, every load's model must hold the mapped
@@ -22,7 +22,7 @@ seconds (median, min-max), GB/s and the ratio to `cat`; the goal on a GPU host i
 load within 2x of `cat`.
 
     python tests/bench/gpu_load.py [--size-mb 2000] [--repeat 5] [--device cuda]
-        [--chunk-mb 16 [4 64 ...]] [--workdir DIR] [--json]
+        [--chunk-mb 16 [4 64 ...]] [--readers 2 [1 4 ...]] [--workdir DIR] [--json]
 
 Nothing asserts on time: the script prints its figures and met/missed against the goal.
 """
@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the test
 from bench_load import build, read_all
 from common import log, scratch
 
-from flare.serve.models.staging import CHUNK
+from flare.serve.models.staging import CHUNK, READERS
 
 GOAL = 2.0
 """The shipped load may take at most this many times what reading the blobs once takes."""
@@ -79,17 +79,23 @@ def mmap_copy(paths: list[Path], device: object) -> Callable[[], None]:
 
 class Load:
     """The package's weights into one empty model on the device: mapped (`chunk` 0), or
-    staged in chunks of `chunk` bytes; the model stays, for the check of what was loaded."""
+    staged in chunks of `chunk` bytes, `readers` at once; the model stays, for the check of
+    what was loaded."""
 
-    def __init__(self, manifest: object, files: dict[str, Path], device: object, chunk: int):
-        self.manifest, self.files, self.device, self.chunk = manifest, files, device, chunk
+    def __init__(
+        self, manifest: object, files: dict[str, Path], device: object, chunk: int, readers: int
+    ) -> None:
+        self.manifest, self.files, self.device = manifest, files, device
+        self.chunk, self.readers = chunk, readers
         self.model = empty(manifest, files, device)
 
     def __call__(self) -> None:
         from flare.serve.models.files import PackageFiles
         from flare.serve.models.staging import Staging
 
-        staging = Staging(self.device, self.chunk) if self.chunk else None  # type: ignore[arg-type]
+        staging = (
+            Staging(self.device, self.chunk, readers=self.readers) if self.chunk else None  # type: ignore[arg-type]
+        )
         package = PackageFiles(self.manifest, self.files)  # type: ignore[arg-type]
         self.model.load_weights(package.tensors(0, staging))
 
@@ -133,7 +139,12 @@ def timed(action: Callable[[], None], device: object) -> float:
 
 
 def benchmark(
-    workdir: Path, size: int, repeat: int, device_name: str, chunks_mb: list[int]
+    workdir: Path,
+    size: int,
+    repeat: int,
+    device_name: str,
+    chunks_mb: list[int],
+    readers: list[int],
 ) -> dict[str, object]:
     import torch
 
@@ -147,11 +158,13 @@ def benchmark(
     payloads = sorted(files[str(p.digest)] for p in manifest.payloads)  # type: ignore[attr-defined]
     read_all(paths)
     shipping = staging_for(device)
-    shipped = "mapped" if shipping is None else f"staged {shipping.chunk >> 20} MiB"
-    chunks = {f"staged {mb} MiB": mb << 20 for mb in chunks_mb}
-    chunks[shipped] = shipping.chunk if shipping is not None else 0
-    loads = {"mapped": Load(manifest, files, device, 0)}
-    loads.update({name: Load(manifest, files, device, chunk) for name, chunk in chunks.items()})
+    shipped = "mapped"
+    staged = {f"staged {mb} MiB x {r}": (mb << 20, r) for mb in chunks_mb for r in readers}
+    if shipping is not None:
+        shipped = f"staged {shipping.chunk >> 20} MiB x {shipping.readers}"
+        staged[shipped] = (shipping.chunk, shipping.readers)
+    loads = {"mapped": Load(manifest, files, device, 0, 0)}
+    loads.update({name: Load(manifest, files, device, *how) for name, how in staged.items()})
     del shipping
     cases: dict[str, Callable[[], None]] = {
         "cat": cat(payloads),
@@ -208,12 +221,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--chunk-mb", type=int, nargs="+", default=[CHUNK >> 20], help="staged read sizes to time"
     )
+    parser.add_argument(
+        "--readers", type=int, nargs="+", default=[READERS], help="reads in flight to time"
+    )
     parser.add_argument("--workdir", type=Path, help="parent of the scratch folder (/tmp)")
     parser.add_argument("--json", action="store_true", help="print everything as JSON")
     args = parser.parse_args(argv)
     with scratch(args.workdir, "flare-bench-gpu-load-") as workdir:
         report = benchmark(
-            workdir, args.size_mb * 1_000_000, args.repeat, args.device, args.chunk_mb
+            workdir,
+            args.size_mb * 1_000_000,
+            args.repeat,
+            args.device,
+            args.chunk_mb,
+            args.readers,
         )
     if args.json:
         print(json.dumps(report, indent=2))
