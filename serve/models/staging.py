@@ -27,17 +27,17 @@ import torch
 from flare.store.digest import Digest
 from flare.store.hashing import new_hasher
 
-CHUNK = 16 << 20
+CHUNK = 64 << 20
 """Bytes per read: large enough that a read's syscall, hash call, copy launch and event cost
-nothing beside it; small enough that the ring (SLOTS chunks) stays small, and stays in the
-CPU's last-level cache more than a larger one (reads into 32 MiB buffers ran at half the rate
-of reads into 4 MiB ones on the 2-core VM: every byte the DMA and the hash find in the cache
-is one DRAM does not move again). tests/bench/gpu_load.py --chunk-mb times other sizes."""
+nothing beside it, and that the readers take the GIL back seldom (a server's start runs
+Python beside the read: imports, Dynamo's trace); small enough that the ring (SLOTS chunks)
+stays small. On the H200 (3.9 GB of weights, page cache warm, tests/bench/gpu_load.py):
+4 readers of 64 MiB 11.9 GB/s, of 16 MiB 10.9, against `cat`'s 8.3."""
 
-READERS = 2
+READERS = 4
 """Reads in flight at once, each on a thread of its own (a `preadv` releases the GIL): one
-thread's copies out of the page cache ran at 4.5-5.5 GB/s on the H200 against `cat`'s 6.6;
-tests/bench/gpu_load.py --readers times other counts."""
+thread's copies out of the page cache ran at 4.9-5.1 GB/s on the H200, two at 8.0-9.9, four
+at 10.9-11.9, against `cat`'s 8.3 (tests/bench/gpu_load.py --readers)."""
 
 SLOTS = 6
 """Buffers in the ring: READERS being read into, the others' copies and hashes in flight."""
