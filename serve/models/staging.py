@@ -27,17 +27,20 @@ import torch
 from flare.store.digest import Digest
 from flare.store.hashing import new_hasher
 
-CHUNK = 64 << 20
+CHUNK = 16 << 20
 """Bytes per read: large enough that a read's syscall, hash call, copy launch and event cost
-nothing beside it, and that the readers take the GIL back seldom (a server's start runs
-Python beside the read: imports, Dynamo's trace); small enough that the ring (SLOTS chunks)
-stays small. On the H200 (3.9 GB of weights, page cache warm, tests/bench/gpu_load.py):
-4 readers of 64 MiB 11.9 GB/s, of 16 MiB 10.9, against `cat`'s 8.3."""
+nothing beside it; small enough that the ring (SLOTS chunks) stays small, and stays in the
+CPU's last-level cache more than a larger one (reads into 32 MiB buffers ran at half the rate
+of reads into 4 MiB ones on the 2-core VM: every byte the DMA and the hash find in the cache
+is one DRAM does not move again). tests/bench/gpu_load.py --chunk-mb times other sizes."""
 
-READERS = 4
-"""Reads in flight at once, each on a thread of its own (a `preadv` releases the GIL): one
-thread's copies out of the page cache ran at 4.9-5.1 GB/s on the H200, two at 8.0-9.9, four
-at 10.9-11.9, against `cat`'s 8.3 (tests/bench/gpu_load.py --readers)."""
+READERS = 2
+"""Reads in flight at once, each on a thread of its own (a `preadv` releases the GIL). On the
+H200 alone (3.9 GB, page cache warm, tests/bench/gpu_load.py --readers): one reader of 16 MiB
+5.1 GB/s, two 9.9, four 10.9 (of 64 MiB: 4.9, 8.0, 11.9), against `cat`'s 8.3. In a server's
+start the read runs beside the engine's imports and Dynamo's trace, which four readers of
+64 MiB (and the hash they feed, on every core) slowed so that the 8B start took longer, not
+less (docs/performance.md): two of 16 MiB it is."""
 
 SLOTS = 6
 """Buffers in the ring: READERS being read into, the others' copies and hashes in flight."""
