@@ -106,6 +106,9 @@ class StartReport:
     """The decode steps' CUDA graphs, once captured."""
     prefill_graphs: GraphReport | None = None
     """The prefill steps' CUDA graphs, once captured."""
+    began: float | None = None
+    """When the load began by the wall clock (time.time()), where an engine process loaded
+    the runtime: it starts with the command, and may still be importing when the pull ends."""
 
     def describe(self) -> str:
         """How the forward runs and what its start made."""
@@ -123,16 +126,24 @@ class StartReport:
         total: float,
         weights: WeightsRead | None,
         launched: float | None = None,
+        pulled_at: float | None = None,
     ) -> str:
         """Start-to-ready with its parts, for the ready line: `load` is the runtime's whole
-        load, of which the artifacts, warm-up and graph capture are shown apart; `weights`,
-        the weights' own read (PackageFiles.tensors: the payloads' bytes over the time they
-        took, the copies into the model included), says how near the disk's speed the load
-        came; `launched`, the seconds since the command began (its imports included), what
-        a user waits."""
+        load, of which the engine process's own start left after the pull (`began` less
+        `pulled_at`, the pull's end by the wall clock), the artifacts, warm-up and graph
+        capture are shown apart; `weights`, the weights' own read (PackageFiles.tensors: the
+        payloads' bytes over the time they took, the copies into the model included), says
+        how near the disk's speed the load came; `launched`, the seconds since the command
+        began (its imports included), what a user waits."""
         captured = [report for report in (self.graphs, self.prefill_graphs) if report]
-        rest = load - self.artifacts - self.warm_up - sum(g.seconds for g in captured)
-        parts = f"pull {pull:.2f} s, load {rest:.2f} s"
+        engine = 0.0
+        if self.began is not None and pulled_at is not None:
+            engine = min(max(0.0, self.began - pulled_at), load)
+        rest = load - engine - self.artifacts - self.warm_up - sum(g.seconds for g in captured)
+        parts = f"pull {pull:.2f} s, "
+        if engine >= 0.005:
+            parts += f"engine start {engine:.2f} s, "
+        parts += f"load {rest:.2f} s"
         if weights is not None and weights.seconds > 0:
             rate = decimal(int(weights.size / weights.seconds))
             parts += f" (weights {decimal(weights.size)} in {weights.seconds:.2f} s at {rate}/s)"

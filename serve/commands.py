@@ -212,6 +212,7 @@ def serve_command(
         )
         plan = report.plan
         times["pulled"] = time.perf_counter()
+        times["pulled_at"] = time.time()
         if batch_invariant:
             from flare.serve.runtime import refuse_invariance_over_ranks, refuse_padded_invariance
 
@@ -283,6 +284,7 @@ def _say_ready(plan: PullPlan, runtime: Runtime, times: dict[str, float]) -> Cal
             total=now - times["start"],
             weights=runtime.package.weights_read,
             launched=_process_age(),
+            pulled_at=times["pulled_at"],
         )
         ranks = runtime.rank_stats()
         if ranks:

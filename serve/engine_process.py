@@ -34,6 +34,7 @@ import pickle
 import queue
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -176,6 +177,7 @@ def engine_main(conn: Connection, device: str | None = None) -> None:
     except (EOFError, OSError):  # the API process did not need an engine after all
         return
     assert kind == "load", kind
+    began = time.time()  # the API process's ready line shows what this start took after the pull
     try:
         cache = HostCache(spec.cache_root) if spec.cache_root is not None else None
         quarantine = cache.quarantine_if_corrupt if cache is not None else None
@@ -189,6 +191,7 @@ def engine_main(conn: Connection, device: str | None = None) -> None:
         )
         if not isinstance(runtime, GenerateRuntime):
             raise FlareError(f"package {spec.manifest.name} does not generate text")
+        runtime.start_report.began = began
     except BaseException as exc:
         conn.send(("failed", LoadFailure.of(exc)))
         return

@@ -90,6 +90,18 @@ def test_the_ready_line_gives_each_capture_its_time_and_takes_both_from_the_load
     assert "prefill graphs 0.80 s (up to 64 sequences and 2080 tokens)" in line
 
 
+def test_the_ready_line_takes_the_engines_own_start_after_the_pull_from_the_load() -> None:
+    """An engine process still importing when the pull ended began its load later: that
+    wait is shown apart (never more than the load, never below zero), and not in `load`."""
+    start = StartReport("package", warm_up=0.5)
+    start.began = 1000.0
+    line = start.timeline(pull=0.1, load=2.0, total=2.1, weights=None, pulled_at=999.2)
+    assert "pull 0.10 s, engine start 0.80 s, load 0.70 s" in line, line
+    line = start.timeline(pull=0.1, load=2.0, total=2.1, weights=None, pulled_at=1000.5)
+    assert "pull 0.10 s, load 1.50 s" in line, line  # the engine was waiting for the package
+    assert "engine start" not in start.timeline(0.1, 2.0, 2.1, None)  # loaded in this process
+
+
 def test_prefill_graphs_are_refused_with_batch_invariance(tmp_path: Path) -> None:
     """A padded prefill's products are not the unpadded step's, which --batch-invariant
     promises: asking for both is an invalid input, named, before anything loads; batch
