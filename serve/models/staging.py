@@ -60,9 +60,11 @@ class Staging:
         chunk: int = CHUNK,
         slots: int = SLOTS,
         readers: int | None = None,
+        hash_threads: int | None = None,
     ) -> None:
         """`readers`: READERS, or fewer where the ring is smaller (one buffer is always
-        free to be copied and hashed from)."""
+        free to be copied and hashed from); `hash_threads`: the hash's threads (None: as
+        many as useful; tests/bench/gpu_load_beside.py times fewer beside busy Python)."""
         readers = readers or min(READERS, slots - 1)
         if not 1 <= readers < slots:
             raise ValueError(f"{readers} readers need more than {readers} ring buffers")
@@ -70,6 +72,7 @@ class Staging:
         self.device = device
         self.chunk = chunk
         self.readers = readers
+        self.hash_threads = hash_threads
         self._ring = [torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda) for _ in range(slots)]
         self._views = [memoryview(buffer.numpy()) for buffer in self._ring]
         self._stream = torch.cuda.Stream(device) if cuda else None
@@ -80,7 +83,7 @@ class Staging:
         order once read; every copy is done when this returns (the host waited for each), so
         the tensor may be used on any stream; a file shorter than `size` raises EOFError."""
         target = torch.empty(size, dtype=torch.uint8, device=self.device)
-        hasher = new_hasher()
+        hasher = new_hasher(self.hash_threads)
         pending: list[Pending | None] = [None] * len(self._ring)
         reading: deque[tuple[int, int, Future[None]]] = deque()  # slot, length, its read
         if self._stream is not None:  # the target's memory may be freed work's on this stream

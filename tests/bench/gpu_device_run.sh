@@ -16,7 +16,8 @@
 # Use: [GATE="tests/test_x.py ..."] bash tests/bench/gpu_device_run.sh STAGE...
 # Stages: gate (the GPU tests; each test that builds a CUDA package takes minutes on a fresh
 # host), launch, attend, serve1b, serve8b, profile, correct, load (the weights' read against
-# cat), start (a start's timeline under py-spy: SHAPES, LAYERS). The 1B serving stage serves with prefill
+# cat), beside (the read beside busy Python), start (a start's timeline under py-spy:
+# SHAPES, LAYERS). The 1B serving stage serves with prefill
 # graphs (the default) and again with --no-prefill-graphs. Where what comes back is limited
 # (eight files, say), mind that each stage leaves its log, and profile five files more (its
 # report, its table, py-spy's samples of each of its three paths).
@@ -50,6 +51,8 @@ for stage in "$@"; do
     serve8b) python3 tests/bench/gpu_serving.py --shapes 8b "${serving[@]}" --out "$out/s8b" ;;
     load) python3 tests/bench/gpu_load.py --device cuda --size-mb 4000 --repeat 3 \
       --chunk-mb 16 64 --readers 1 2 4 ;;
+    beside) python3 tests/bench/gpu_load_beside.py --size-mb 2000 --repeat 2 --readers 1 2 4 \
+      --hash-threads 0 4 ;;
     start) python3 tests/bench/gpu_start_kernels.py --shape "${SHAPES:-8b}" \
       --layers "${LAYERS:-32}" --starts 2 --py-spy /tmp/site/bin/py-spy --out "$out/start" ;;
     profile) python3 tests/bench/gpu_step_profile.py --shapes 1b --py-spy /tmp/site/bin/py-spy \

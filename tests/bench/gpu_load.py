@@ -83,10 +83,16 @@ class Load:
     what was loaded."""
 
     def __init__(
-        self, manifest: object, files: dict[str, Path], device: object, chunk: int, readers: int
+        self,
+        manifest: object,
+        files: dict[str, Path],
+        device: object,
+        chunk: int,
+        readers: int,
+        hash_threads: int | None = None,
     ) -> None:
         self.manifest, self.files, self.device = manifest, files, device
-        self.chunk, self.readers = chunk, readers
+        self.chunk, self.readers, self.hash_threads = chunk, readers, hash_threads
         self.model = empty(manifest, files, device)
 
     def __call__(self) -> None:
@@ -94,7 +100,9 @@ class Load:
         from flare.serve.models.staging import Staging
 
         staging = (
-            Staging(self.device, self.chunk, readers=self.readers) if self.chunk else None  # type: ignore[arg-type]
+            Staging(self.device, self.chunk, readers=self.readers, hash_threads=self.hash_threads)  # type: ignore[arg-type]
+            if self.chunk
+            else None
         )
         package = PackageFiles(self.manifest, self.files)  # type: ignore[arg-type]
         self.model.load_weights(package.tensors(0, staging))
