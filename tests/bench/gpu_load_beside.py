@@ -125,9 +125,8 @@ def main() -> int:
     with scratch(args.workdir, "flare-bench-load-beside-") as workdir:
         report = benchmark(args, workdir)
     print(json.dumps(report, indent=2))
-    print(
-        f"\nwork alone {report['work_alone_s']:.3f} s; weights {report['weights_bytes'] / 1e9:.2f} GB"
-    )
+    size = report["weights_bytes"] / 1e9  # type: ignore[operator]
+    print(f"\nwork alone {report['work_alone_s']:.3f} s; weights {size:.2f} GB")
     print("| read | load s beside | GB/s | work s beside | work slowdown |\n|---|---|---|---|---|")
     for name, way in report["ways"].items():  # type: ignore[attr-defined]
         print(
