@@ -37,11 +37,16 @@ from flare.serve.models import WeightsLoading
 
 
 def python_work(rounds: int) -> float:
-    """Seconds to compile a large module's source `rounds` times: bytecode-bound Python."""
+    """Seconds to run `rounds` of Python at the bytecode level (small calls, dicts, strings:
+    what tracing does) and one `compile` of a large module's source (a C call that holds the
+    GIL throughout, as an import's unmarshal does) each."""
     source = inspect.getsource(inspect)
     started = time.perf_counter()
     for _ in range(rounds):
         compile(source, "inspect.py", "exec")
+        table: dict[str, int] = {}
+        for number in range(20_000):
+            table[str(number % 997)] = table.get(str(number % 991), 0) + len(str(number))
     return time.perf_counter() - started
 
 
