@@ -34,13 +34,13 @@ CPU's last-level cache more than a larger one (reads into 32 MiB buffers ran at 
 of reads into 4 MiB ones on the 2-core VM: every byte the DMA and the hash find in the cache
 is one DRAM does not move again). tests/bench/gpu_load.py --chunk-mb times other sizes."""
 
-READERS = 2
-"""Reads in flight at once, each on a thread of its own (a `preadv` releases the GIL). On the
-H200 alone (3.9 GB, page cache warm, tests/bench/gpu_load.py --readers): one reader of 16 MiB
-5.1 GB/s, two 9.9, four 10.9 (of 64 MiB: 4.9, 8.0, 11.9), against `cat`'s 8.3. In a server's
-start the read runs beside the engine's imports and Dynamo's trace, which four readers of
-64 MiB (and the hash they feed, on every core) slowed so that the 8B start took longer, not
-less (docs/performance.md): two of 16 MiB it is."""
+READERS = 4
+"""Reads in flight at once, each on a thread of its own (a `preadv` releases the GIL). On one
+H200 host, page cache warm, 16 MiB reads: alone (3.9 GB, tests/bench/gpu_load.py --readers)
+one reader 5.1 GB/s, two 9.9, four 10.9, against `cat`'s 8.3; beside Python that holds the GIL
+(2.0 GB, tests/bench/gpu_load_beside.py), as in a server's start, one 1.5 GB/s, two 2.0, four
+2.6, slowing that Python alike (1.2-1.3x). A start served with four readers of 64 MiB, on
+another host, was no faster than with two of 16 (docs/performance.md)."""
 
 SLOTS = 6
 """Buffers in the ring: READERS being read into, the others' copies and hashes in flight."""
