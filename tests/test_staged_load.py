@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from registry_helpers import Quiet
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flare.build.pipeline import Build, BuildRequest
 from flare.build.tiny import make_tiny_llama
@@ -308,3 +309,44 @@ def test_what_runs_beside_the_read_fails_the_load_once_the_read_has_stopped(
         manifest, host.files(manifest), cuda_graphs=False, beside_read=lambda: seen.append("ok")
     )
     assert seen[1:] == ["ok"] and runtime.kind == "generate"
+
+
+class Allocations(TorchDispatchMode):
+    """Every tensor with memory (not on the meta device) the ops run under it make:
+    (dtype, elements)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        made = isinstance(out, torch.Tensor) and func._schema.name.startswith("aten::empty")
+        if made and out.device.type != "meta":
+            self.made.append((out.dtype, out.numel()))
+        return out
+
+
+def test_a_started_model_is_given_its_memory_once_in_the_dtype_it_runs_in(
+    cache: tuple[HostCache, Manifest],
+) -> None:
+    """A bf16 model's weights get bf16 memory and no float32 copy first: a float32 pass
+    would double the model's memory at its peak (an 8B model that fits a 24 GB GPU would not
+    load) and, on a GPU, leave the float32 copies in the allocator's cache, out of the KV
+    cache's budget. The parameters are all there, in bf16, with the load's values."""
+    host, manifest = cache
+    files = package_files(host, manifest)
+    with Allocations() as seen:
+        model, loading = models.start_model(files, CPU, torch.bfloat16)
+        loading.wait()
+    weights = sum(p.numel() for p in model.parameters())
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    in_bf16 = sum(n for dtype, n in seen.made if dtype == torch.bfloat16)
+    assert in_bf16 >= weights
+    big_float32 = [n for dtype, n in seen.made if dtype == torch.float32 and n > weights // 50]
+    assert not big_float32, big_float32  # the rotary table's float32 is all there may be
+    want = dict(
+        models.load_model(package_files(host, manifest), CPU, torch.bfloat16).named_parameters()
+    )
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, want[name]), name

@@ -72,11 +72,12 @@ class Rotary(nn.Module):
         """[length, 2 (cos, sin), head_dim]: made by `_apply`, where the frequencies go."""
 
     def _apply(self, fn: Any, recurse: bool = True) -> Rotary:
-        """Follow the module's moves (`to_empty`, `.to(device)`, `.to(dtype)`): the float32
-        frequencies to the new device, and the table there in its new dtype, cast from a
-        float32 table where there is one, else made from the frequencies (never widened from
-        one already rounded), before anything is compiled, as a compiled forward's guards
-        expect. A load (`to_empty`, then `.to(bfloat16)`) makes it once and casts it once."""
+        """Follow the module's moves (`materialize`, `to_empty`, `.to(device)`,
+        `.to(dtype)`): the float32 frequencies to the new device, and the table there in its
+        new dtype, cast from a float32 table where there is one, else made from the
+        frequencies (never widened from one already rounded), before anything is compiled, as
+        a compiled forward's guards expect. A load (`materialize`) makes it in float32 once
+        and casts it once."""
         probe = fn(torch.empty(0, dtype=self.table.dtype, device=self.table.device))
         self.inv_freq = self.inv_freq.to(probe.device)
         exact = self.table.numel() > 0 and self.table.dtype == torch.float32
