@@ -158,9 +158,10 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> n
     once, in the dtype they run in (floating-point ones in `dtype`, others as they are),
     their values undefined until the weights are read. Not `to_empty(device).to(dtype)`:
     that gives every weight float32 memory first (twice a bf16 model's memory at its peak:
-    an 8B model that fits a 24 GB GPU would not load; and the float32 copies stay in CUDA's
-    caching allocator, out of the KV cache's budget), and goes through torch's reference
-    ops, whose first use imports SymPy (0.5-0.65 s) before the weights' read can begin."""
+    an 8B model that fits a 24 GB GPU would not load; and what the bf16 copies leave of the
+    float32 memory, about the model's size, stays in CUDA's caching allocator, out of the KV
+    cache's budget), and goes through torch's reference ops, whose first use imports SymPy
+    (0.5-0.65 s) before the weights' read can begin."""
 
     def allocate(tensor: torch.Tensor) -> torch.Tensor:
         kind = dtype if tensor.is_floating_point() else tensor.dtype
