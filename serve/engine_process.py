@@ -195,8 +195,8 @@ def engine_main(conn: Connection, device: str | None = None) -> None:
     except BaseException as exc:
         conn.send(("failed", LoadFailure.of(exc)))
         return
-    freeze_heap()
     conn.send(("ready", Ready.of(runtime)))
+    freeze_heap()  # while the API process makes its app and starts listening (0.2-0.4 s)
     _EngineSide(conn, runtime).serve()
 
 
