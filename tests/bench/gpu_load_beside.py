@@ -3,11 +3,12 @@
 A server's start reads the weights on threads of its own while its main thread runs Python
 (the backends' imports, Dynamo's trace): both share the GIL and the host's cores, and the
 start waits for the slower. This script builds gpu_load.py's synthetic package, then times, in
-alternating rounds of the same run, a fixed piece of pure-Python work on the main thread (the
-`compile` of a large module's source, again and again: what imports and tracing do) alone,
-and again while a staged load (`Staging`: `--chunk-mb`, `--readers`, `--hash-threads`) runs
-on a thread of its own, with the interpreter's switch interval at WeightsLoading's. For each
-way of reading it prints the load's seconds and GB/s beside the work and the work's slowdown
+alternating rounds of the same run, a fixed piece of Python work on the main thread (rounds of
+a large module's source compiled, one C call that holds the GIL as an import's unmarshal does,
+then small dict and string work at the bytecode level, as tracing does) alone, and again
+while a staged load (`Staging`: `--chunk-mb`, `--readers`, `--hash-threads`) runs on a
+thread of its own, with the interpreter's switch interval at WeightsLoading's. For each way
+of reading it prints the load's seconds and GB/s beside the work and the work's slowdown
 (its seconds beside the load over its seconds alone).
 
     python tests/bench/gpu_load_beside.py [--size-mb 2000] [--repeat 3] [--device cuda]
