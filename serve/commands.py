@@ -196,9 +196,9 @@ def serve_command(
 
     require_serve_extra()
     limits = _body_limits(max_body_size, body_timeout)
-    from flare.serve.engine_process import EngineProcess
+    from flare.serve.engine_process import engine_for
 
-    with closing(EngineProcess(device)) as engine:  # its imports run beside this process's and pull
+    with closing(engine_for(device)) as engine:  # its imports run beside this process's and pull
         from flare.build.commands import build_to_serve, is_source
         from flare.serve.launch import serving_leases
         from flare.serve.server import listen, run_server, url_of

@@ -26,6 +26,7 @@ process is gone); one that was not given a package is killed (it holds nothing y
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -35,6 +36,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -134,6 +136,7 @@ class EngineProcess:
     def __init__(self, device: str | None = None) -> None:
         """`device`: `--device` as given (None: CUDA where a GPU is), which the process
         prepares while it waits (`make_context`, `import_backends`)."""
+        self.device = device
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
         self.conn, theirs = context.Pipe()
         self.process = context.Process(
@@ -150,6 +153,48 @@ class EngineProcess:
             self.conn.close()
             self.process.kill()
             self.process.join()
+
+
+_EARLY: list[EngineProcess] = []
+"""The engine process `start_early` started, until `engine_for` takes it."""
+
+
+def start_early(argv: Sequence[str]) -> None:
+    """Start the engine process at the command's very start where `argv` (the command's
+    arguments) asks to serve, before the CLI is imported: its own imports then overlap the
+    CLI's (typer's and every command's, about a second) as well as the pull, and on a GPU
+    host the engine's start, not the API process's, is the path to ready. `--device` is read
+    from `argv` as typer will read it (a value it refuses reaches the engine as asked, and
+    the serve command names it). An engine nobody takes (--help, a refused option) is killed
+    as this process exits: it ignores SIGTERM, which is how multiprocessing would end it
+    before waiting for it."""
+    args = [arg for arg in argv if arg != "--debug"]
+    if args[:1] != ["serve"] or "--help" in args:
+        return
+    device = None
+    for given, following in zip(args, [*args[1:], None], strict=True):
+        if given == "--device":
+            device = following
+        elif given.startswith("--device="):
+            device = given.removeprefix("--device=")
+    _EARLY.append(EngineProcess(device))
+    atexit.register(_end_early)
+
+
+def _end_early() -> None:
+    while _EARLY:
+        _EARLY.pop().close()
+
+
+def engine_for(device: str | None) -> EngineProcess:
+    """The engine process started early for `device`, else one started now (an early one
+    for another device is ended)."""
+    while _EARLY:
+        early = _EARLY.pop()
+        if early.device == device:
+            return early
+        early.close()
+    return EngineProcess(device)
 
 
 def engine_main(conn: Connection, device: str | None = None) -> None:

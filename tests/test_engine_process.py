@@ -185,3 +185,46 @@ def test_a_device_the_host_lacks_is_named_once_and_leaves_no_process_behind(home
     assert "no usable CUDA device" in done.stderr
     assert "Traceback" not in done.stderr
     assert processes_of(home) == []
+
+
+def test_a_serve_refused_by_its_options_kills_the_engine_started_early(home: Path) -> None:
+    """`flare serve` starts its engine process before the CLI parses anything; a command
+    the CLI refuses exits at once with the usage error, the engine (which ignores SIGTERM)
+    killed rather than waited for."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "flare", "serve", "tiny", "--no-such-option"],
+        env=flare_env(home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "No such option" in done.stderr
+    assert time.monotonic() - started < 60
+    assert processes_of(home) == []
+
+
+def test_the_engine_started_early_is_taken_for_its_device_only() -> None:
+    """`start_early` reads `--device` as the CLI will (after the root's --debug, in either
+    form) and starts nothing for other commands or for --help; `engine_for` takes the early
+    engine where the device matches, else ends it and starts one for the device asked."""
+    from flare.serve import engine_process as ep
+
+    for argv in (["build", "serve"], ["serve", "tiny", "--help"], ["pull", "serve"]):
+        ep.start_early(argv)
+        assert ep._EARLY == [], argv
+    ep.start_early(["--debug", "serve", "tiny", "--device=cpu", "--port", "0"])
+    early = ep._EARLY[0]
+    taken = ep.engine_for("cpu")
+    assert taken is early and taken.device == "cpu" and ep._EARLY == []
+    taken.close()
+    ep.start_early(["serve", "tiny", "--device", "cpu"])
+    other = ep._EARLY[0]
+    fresh = ep.engine_for(None)
+    try:
+        assert fresh is not other and fresh.device is None and ep._EARLY == []
+        other.process.join(timeout=30)
+        assert not other.process.is_alive()
+    finally:
+        fresh.close()
