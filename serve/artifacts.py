@@ -96,6 +96,7 @@ class StartReport:
 
     forward: str
     why: str = ""
+    """Why the forward is eager, or (compiled) why its precompiled graphs were not loaded."""
     artifacts: float = 0.0
     """Seconds to unpack the compiled forward (0 when it already was) and point Inductor at it."""
     warm_up: float = 0.0
@@ -115,7 +116,8 @@ class StartReport:
         if self.forward == "eager":
             return f"forward uncompiled: {self.why}"
         if self.forward == "package":
-            return f"forward compiled, from the package: {self.compilations.describe()}"
+            text = f"forward compiled, from the package: {self.compilations.describe()}"
+            return text + (f" (precompiled graphs not loaded: {self.why})" if self.why else "")
         took = self.artifacts + self.warm_up
         return f"forward compiled at start in {took:.1f} s: {self.compilations.describe()}"
 

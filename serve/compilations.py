@@ -40,7 +40,7 @@ class Compilations:
     recorded: int = 0
     """CUDA graphs recorded."""
     loaded: int = 0
-    """Graphs Inductor loaded from its cache (not a compilation)."""
+    """Graphs loaded from Inductor's cache or precompiled (not a compilation)."""
     built: tuple[str, ...] = ()
     """The kernels built, by name (a Triton kernel, a C++ source, a FlashInfer module)."""
 
@@ -108,7 +108,9 @@ def _watch_triton() -> None:
 
 
 def note(event: str) -> None:
-    """Count one event (`traced`, `recorded`: from `watch`)."""
+    """Count one event (`traced`, `recorded`: from `watch`; `traced` and `compiled` for a
+    graph compiled ahead of time, which neither Dynamo's callbacks nor Inductor's cache
+    counters see; `loaded`: a precompiled graph)."""
     with _lock:
         _events[event] += 1
 
@@ -131,9 +133,11 @@ def snapshot() -> Compilations:
         events, built = dict(_events), tuple(_built)
     return Compilations(
         traced=events.get("traced", 0),
-        compiled=inductor.get("fxgraph_cache_miss", 0) + inductor.get("fxgraph_cache_bypass", 0),
+        compiled=inductor.get("fxgraph_cache_miss", 0)
+        + inductor.get("fxgraph_cache_bypass", 0)
+        + events.get("compiled", 0),
         kernels=events.get("kernels", 0),
         recorded=events.get("recorded", 0),
-        loaded=inductor.get("fxgraph_cache_hit", 0),
+        loaded=inductor.get("fxgraph_cache_hit", 0) + events.get("loaded", 0),
         built=built,
     )

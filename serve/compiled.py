@@ -7,19 +7,20 @@ recompile; attention is the opaque `flare::paged_attention` operator
 (engine/attention_op.py). Weights are the graphs' inputs, never their constants, so a
 compiled forward holds code only and any package of the same shapes can run it.
 
-`flare build` compiles it (serve/prepare.py, in a fresh process and Inductor cache) and ships
-Inductor's cache folder as an artifact (serve/inductor_archive.py); `flare serve` unpacks it,
-points Inductor at it and runs `warm_up` before it says ready: Dynamo traces the graphs (one
-layer, not all of them), Inductor finds each graph and its kernels in the unpacked cache and
-loads them, nothing is compiled.
+`flare build` compiles it (serve/prepare.py, in a fresh process and Inductor cache), each
+graph ahead of time (serve/precompiled.py), and ships the graphs with Inductor's cache folder
+as an artifact (serve/inductor_archive.py); `flare serve` unpacks it, points Inductor at it,
+loads the graphs and runs `warm_up` before it says ready: nothing is traced or compiled. A
+package whose graphs do not load here (built before they were saved, or with another torch
+or GPU) has each graph traced and compiled at its first call, its kernels found in the cache.
 Both sides apply `settings()` first: Inductor keys its cache by its configuration.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,10 @@ WARM_UP = ((3, 5), (1,))
 """The prompt lengths of warm-up's batches, each prefilled then decoded once: two sequences
 together, then one of a single token. Shorter than a KV block, so nothing enters the prefix
 cache."""
+
+KINDS = ("first", "layers", "logits")
+"""The forward's graphs: the first decoder layer's (no residual yet), the other layers',
+the logits'."""
 
 _installed = False
 
@@ -142,14 +147,19 @@ class CompiledForward:
     yet, is a graph of its own; the embedding lookup, the rotary rows' gather and the final
     norm run as they are between the graphs, one kernel each."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, saved: Path | None = None) -> None:
+        """`saved`: a folder of precompiled graphs to load (what the package's build
+        saved); a graph not loaded from it is traced and compiled at its first call."""
         settings()
         self.model = model
         self._operator = OperatorAttention()
-        isolate = "isolate_recompiles" in inspect.signature(torch.compile).parameters
-        options = {"isolate_recompiles": True} if isolate else {}  # torch 2.13 and later
-        self._layer = torch.compile(_run_layer, fullgraph=True, **options)
-        self._logits = torch.compile(self._last_logits, fullgraph=True, **options)
+        self._graphs: dict[str, Callable[..., Any]] = {}
+        self._saved: dict[str, bytes] = {}
+        """Each graph's bytes, as `precompiled` saves them."""
+        self.not_loaded = ""
+        """Why the saved graphs were not loaded, where they were not (then they are traced)."""
+        if saved is not None:
+            self._load(saved)
 
     @property
     def graphs(self) -> int:
@@ -166,7 +176,30 @@ class CompiledForward:
     ) -> torch.Tensor:
         with bound_attention(attention):
             hidden = self.model.forward(input_ids, positions, self._operator, self._call_layer)
-            return self._logits(*_unbacked(hidden, last))
+            return self._run("logits", _run_logits, self.model, hidden, last)
+
+    def save(self, folder: Path) -> None:
+        """Write every graph this forward compiled or loaded to `folder`, for a start."""
+        from flare.serve import precompiled
+
+        for kind, data in self._saved.items():
+            precompiled.save(data, folder, kind)
+
+    def _load(self, folder: Path) -> None:
+        """Load the graphs saved in `folder`; none where one does not load here (a torch,
+        Python or GPU other than the build's): the forward is traced instead, and says why."""
+        from flare.serve import precompiled
+
+        saved = {kind: precompiled.read(folder, kind) for kind in KINDS}
+        saved = {kind: data for kind, data in saved.items() if data is not None}
+        try:
+            graphs = {kind: precompiled.load(data) for kind, data in saved.items()}
+        except Exception as exc:  # whatever the loader raises: trace instead, and say why
+            self.not_loaded = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return
+        self._saved, self._graphs = saved, graphs
+        for _ in graphs:
+            compilations.note("loaded")
 
     def _call_layer(
         self,
@@ -176,10 +209,23 @@ class CompiledForward:
         rotary: torch.Tensor,
         attention: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._layer(layer, *_unbacked(x, residual, rotary), attention)
+        kind = "first" if residual is None else "layers"
+        return self._run(kind, _run_layer, layer, x, residual, rotary, attention)
 
-    def _last_logits(self, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden[last])
+    def _run(self, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """`kind`'s graph called on `args`; at its first call, where it was not loaded,
+        traced and compiled from `fn` on them (their first dimension unbacked), then loaded
+        from the bytes it is saved in."""
+        graph = self._graphs.get(kind)
+        if graph is None:
+            from flare.serve import precompiled
+
+            data = precompiled.compile_graph(fn, _unbacked(args), kind)
+            compilations.note("traced")
+            compilations.note("compiled")
+            self._saved[kind] = data
+            graph = self._graphs[kind] = precompiled.load(data)
+        return graph(*args)
 
 
 def _run_layer(layer: torch.nn.Module, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,13 +234,22 @@ def _run_layer(layer: torch.nn.Module, *inputs: Any) -> tuple[torch.Tensor, torc
     return layer(*inputs)
 
 
-def _unbacked(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """The tensors, their first dimension (tokens, or rows) marked unbacked: a graph traced
-    from them serves every batch size, with no guard on the size and no recompile."""
-    for tensor in tensors:
-        if tensor is not None:
-            torch._dynamo.decorators.mark_unbacked(tensor, 0)
-    return tensors
+def _run_logits(model: torch.nn.Module, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The logits of the rows `last` picks, as the logits' graph is traced from it."""
+    return model.compute_logits(hidden[last])
+
+
+def _unbacked(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`args` with each tensor's first dimension (tokens, or rows) marked unbacked, on an
+    alias of it (the caller's tensor stays unmarked): a graph traced from them serves every
+    batch size, with no guard on the size and no recompile."""
+    marked = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            arg = arg.view(arg.shape)
+            torch._dynamo.decorators.mark_unbacked(arg, 0)
+        marked.append(arg)
+    return tuple(marked)
 
 
 def warm_up(runner: ModelRunner, blocks: BlockManager) -> None:

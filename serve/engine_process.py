@@ -264,7 +264,7 @@ def make_context(asked: str | None) -> str | None:
 
 def import_backends(device: str | None) -> None:
     """What loading a generating package needs beyond the weights' read: on CUDA cuBLAS's
-    handle and FlashInfer's import; Inductor's import (the compiled forward's loader). Each
+    handle and FlashInfer's import; Inductor's and Dynamo's (the precompiled graphs' loader). Each
     used to run after the package was known, on the path to ready (docs/performance.md).
     Run while the pull goes on, or, once the package is known, on the main thread beside the
     weights' read (load_runtime's `beside_read`), which takes a second or more for billions
@@ -279,6 +279,8 @@ def import_backends(device: str | None) -> None:
         if flashinfer_modules.available():
             import flashinfer  # noqa: F401
     import torch._inductor.compile_fx
+
+    from flare.serve import precompiled  # noqa: F401
 
 
 class _EngineSide:

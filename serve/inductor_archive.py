@@ -42,6 +42,8 @@ benchmarked again in every config at its first launch."""
 GRAPHS = "fxgraph"
 AUTOGRAD = "aotautograd"
 TRITON = "triton"
+PRECOMPILED = "precompiled"
+"""The forward's graphs as Dynamo's ahead-of-time compile saved them (serve/precompiled.py)."""
 GROUP = "__grp__"
 """Triton's group files (`__grp__<kernel>.json`) list the files of one compiled kernel by
 absolute path, and Triton takes the kernel from its cache only if each exists. Packed, the
@@ -126,14 +128,14 @@ def _members(cache: Path) -> Iterator[tuple[str, bytes]]:
         name = path.relative_to(cache).as_posix()
         top = name.split("/", 1)[0]
         if top == GRAPHS:
-            yield _normalized(name, path.read_bytes(), _graph_entry)
+            yield _normalized(name, path.read_bytes(), stable_graph)
         elif top == AUTOGRAD:
             yield _normalized(name, path.read_bytes(), _autograd_entry)
         elif top == TRITON and path.name.startswith(GROUP):
             group = _relative_group(cache, path)
             if group is not None:  # else left out: that kernel is built again at start
                 yield name, group
-        elif top == TRITON or (name.endswith(KERNEL_SUFFIXES) and "/" in name):
+        elif top in (TRITON, PRECOMPILED) or (name.endswith(KERNEL_SUFFIXES) and "/" in name):
             yield name, path.read_bytes()
         elif name.endswith(AUTOTUNED):
             yield name, _autotuned(path.read_bytes())
@@ -192,7 +194,10 @@ def _normalized(name: str, data: bytes, clean: Callable[[Any], None]) -> tuple[s
     return f"{folder}/{hashlib.sha256(stable).hexdigest()[:32]}", stable
 
 
-def _graph_entry(graph: Any) -> None:
+def stable_graph(graph: Any) -> None:
+    """An Inductor graph without what differs between two compiles of it (none is read when
+    it loads): its compile time, a repro script naming the cache folder, debug lines with a
+    function's memory address."""
     graph._time_taken_ns = 0
     graph.runnable_graph_str = ""
     graph._fx_graph_cache_debug_lines = []

@@ -35,7 +35,7 @@ from flare.serve.engine.attention_choice import make_attention
 from flare.serve.engine.block_manager import BlockManager
 from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention
 from flare.serve.engine.runner import ModelRunner
-from flare.serve.inductor_archive import pack
+from flare.serve.inductor_archive import PRECOMPILED, pack
 from flare.serve.models import empty_model, linear
 from flare.serve.tuning import Decisions, tune
 
@@ -80,6 +80,7 @@ def compile_forward(spec: dict[str, Any], out: Path) -> dict[str, Any]:
         raise RuntimeError(
             f"the forward compiled into {made.describe()}, not {forward.graphs} graphs"
         )
+    forward.save(out / "inductor" / PRECOMPILED)
     modules = flashinfer_modules.collect(out, out / "inductor") if spec["target"] == "cuda" else []
     if decisions.backend == "flashinfer" and not modules:
         raise RuntimeError("FlashInfer built no kernel module in the compile's workspace")

@@ -39,7 +39,7 @@ from flare.serve.engine.prefill_graphs import PrefillGraphs
 from flare.serve.engine.runner import ModelRunner
 from flare.serve.engine.scheduler import Scheduler
 from flare.serve.engine.sequence import SamplingParams, TokenLogprob
-from flare.serve.inductor_archive import unpack
+from flare.serve.inductor_archive import PRECOMPILED, unpack
 from flare.serve.memory_plan import (
     KvSizing,
     MemoryPlan,
@@ -528,9 +528,12 @@ def _start_forward(
     use_cache_folder(prepared.folder)
     if device.type == "cuda":
         flashinfer_modules.use_modules(prepared.folder)
-    runner = ModelRunner(model, attention, block, device, CompiledForward(model))
-    report = StartReport(prepared.forward, artifacts=time.perf_counter() - started)
     before = compilations.snapshot()
+    forward = CompiledForward(model, prepared.folder / PRECOMPILED)
+    runner = ModelRunner(model, attention, block, device, forward)
+    report = StartReport(
+        prepared.forward, why=forward.not_loaded, artifacts=time.perf_counter() - started
+    )
     started = time.perf_counter()
     warm_up(runner, blocks)
     report.warm_up = time.perf_counter() - started

@@ -161,8 +161,9 @@ def test_the_compiled_forward_is_loaded_not_compiled_and_matches_transformers(
     assert isinstance(runtime, GenerateRuntime)
     made = runtime.start_report.compilations
     assert runtime.start_report.forward == "package"
-    # the first layer's graph, the other layer's (one for every layer after the first), the logits'
-    assert (made.traced, made.compiled, made.kernels, made.loaded) == (3, 0, 0, 3)
+    # the first layer's graph, the other layers' (one for every layer after the first), the
+    # logits': loaded as the build saved them, none traced
+    assert (made.traced, made.compiled, made.kernels, made.loaded) == (0, 0, 0, 3)
     prompt = runtime.tokenizer.encode("the registry keeps packages on a shared folder").ids
     runtime.start()
     try:
@@ -179,19 +180,12 @@ def test_the_compiled_forward_is_loaded_not_compiled_and_matches_transformers(
     assert ours == out[0, len(prompt) :].tolist()
 
 
-def test_a_deeper_model_compiles_to_the_same_three_graphs_and_answers_as_eager(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Six decoder layers: the warm-up traces three graphs (the first layer's, the one every
-    later layer runs, the logits'), not one per layer, and greedy decoding through them gives
-    the eager forward's tokens; varying batches compile nothing more."""
+def _six_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any, Any]:
+    """A six-layer float32 Llama of random weights, a torch attention backend and its
+    blocks, with Inductor's cache in `tmp_path`."""
     from flare.build.tiny import llama_config
-    from flare.serve import compilations
-    from flare.serve.compiled import CompiledForward, warm_up
     from flare.serve.engine.attention_choice import make_attention
     from flare.serve.engine.block_manager import BlockManager
-    from flare.serve.engine.runner import EagerForward, ModelRunner
-    from flare.serve.engine.sequence import Sequence
     from flare.serve.models.llama import LlamaForCausalLM
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
@@ -203,33 +197,94 @@ def test_a_deeper_model_compiles_to_the_same_three_graphs_and_answers_as_eager(
         torch.nn.init.normal_(param, 0.0, 0.1)
     cpu = torch.device("cpu")
     _, attention = make_attention("torch", model.attention_spec, 64 * 16, 16, torch.float32, cpu)
-    blocks = BlockManager(64, 16)
+    return model, attention, BlockManager(64, 16)
+
+
+def _greedy(runner: Any, blocks: Any, prompts: list[list[int]]) -> list[list[int]]:
+    """Eight greedy tokens for each prompt, decoded together through `runner`."""
+    from flare.serve.engine.sequence import Sequence
+
+    seqs = [Sequence(p, SamplingParams(temperature=0), max_tokens=8) for p in prompts]
+    for seq in seqs:
+        blocks.allocate(seq)
+    for step in range(8):
+        tokens = runner.run(seqs, prefill=step == 0).logits.argmax(-1).tolist()
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.append(token)
+            blocks.append_slot(seq)
+    for seq in seqs:
+        blocks.free_sequence(seq)
+        blocks.forget(seq)
+    return [seq.token_ids[len(p) :] for seq, p in zip(seqs, prompts, strict=True)]
+
+
+PROMPTS = [[5, 6, 7], [9] * 20, list(range(1, 40))]
+
+
+def test_a_deeper_model_compiles_to_the_same_three_graphs_and_answers_as_eager(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six decoder layers: the warm-up traces three graphs (the first layer's, the one every
+    later layer runs, the logits'), not one per layer, and greedy decoding through them gives
+    the eager forward's tokens; varying batches compile nothing more. Saved and loaded in a
+    new forward (what a start does with a package's), the graphs trace nothing and give the
+    same tokens."""
+    from flare.serve import compilations
+    from flare.serve.compiled import CompiledForward, warm_up
+    from flare.serve.engine.runner import EagerForward, ModelRunner
+
+    model, attention, blocks = _six_layers(tmp_path, monkeypatch)
+    cpu = torch.device("cpu")
     forward = CompiledForward(model)
     before = compilations.snapshot()
     warm_up(ModelRunner(model, attention, 16, cpu, forward), blocks)
     made = compilations.snapshot() - before
     assert forward.graphs == made.traced == made.compiled == 3
 
-    def greedy(runner: ModelRunner, prompts: list[list[int]]) -> list[list[int]]:
-        seqs = [Sequence(p, SamplingParams(temperature=0), max_tokens=8) for p in prompts]
-        for seq in seqs:
-            blocks.allocate(seq)
-        for step in range(8):
-            tokens = runner.run(seqs, prefill=step == 0).logits.argmax(-1).tolist()
-            for seq, token in zip(seqs, tokens, strict=True):
-                seq.append(token)
-                blocks.append_slot(seq)
-        for seq in seqs:
-            blocks.free_sequence(seq)
-            blocks.forget(seq)
-        return [seq.token_ids[len(p) :] for seq, p in zip(seqs, prompts, strict=True)]
-
-    prompts = [[5, 6, 7], [9] * 20, list(range(1, 40))]
     compiled = ModelRunner(model, attention, 16, cpu, forward)
     eager = ModelRunner(model, attention, 16, cpu, EagerForward(model))
-    assert greedy(compiled, prompts) == greedy(eager, prompts)
-    assert greedy(compiled, prompts[:1]) == greedy(eager, prompts[:1])
+    expected = _greedy(eager, blocks, PROMPTS)
+    assert _greedy(compiled, blocks, PROMPTS) == expected
+    assert _greedy(compiled, blocks, PROMPTS[:1]) == _greedy(eager, blocks, PROMPTS[:1])
     assert (compilations.snapshot() - before).traced == 3
+
+    forward.save(tmp_path / "graphs")
+    assert sorted(p.name for p in (tmp_path / "graphs").iterdir()) == [
+        "first.graph",
+        "layers.graph",
+        "logits.graph",
+    ]
+    before = compilations.snapshot()
+    loaded = CompiledForward(model, tmp_path / "graphs")
+    assert loaded.not_loaded == ""
+    assert _greedy(ModelRunner(model, attention, 16, cpu, loaded), blocks, PROMPTS) == expected
+    made = compilations.snapshot() - before
+    assert (made.traced, made.compiled, made.loaded) == (0, 0, 3)
+
+
+def test_saved_graphs_that_do_not_load_are_traced_instead_and_say_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A saved graph that does not load here (made by another torch, say: here, bytes that
+    are no graph) costs a trace, not the start, and the forward says why."""
+    from flare.serve import compilations
+    from flare.serve.compiled import CompiledForward
+    from flare.serve.engine.runner import EagerForward, ModelRunner
+
+    model, attention, blocks = _six_layers(tmp_path, monkeypatch)
+    cpu = torch.device("cpu")
+    folder = tmp_path / "graphs"
+    folder.mkdir()
+    (folder / "layers.graph").write_bytes(b"not a graph")
+    before = compilations.snapshot()
+    forward = CompiledForward(model, folder)
+    assert forward.not_loaded.startswith("UnpicklingError")
+    tokens = _greedy(ModelRunner(model, attention, 16, cpu, forward), blocks, PROMPTS[:2])
+    assert tokens == _greedy(
+        ModelRunner(model, attention, 16, cpu, EagerForward(model)), blocks, PROMPTS[:2]
+    )
+    made = compilations.snapshot() - before
+    assert (made.traced, made.loaded) == (3, 0)
 
 
 class Server:
@@ -268,7 +323,7 @@ def server(host: Host) -> Iterator[Server]:
 
 def test_ready_says_the_forward_came_from_the_package(server: Server) -> None:
     assert "forward compiled, from the package" in server.ready
-    assert "3 traced, 0 compiled (3 loaded), 0 kernels built" in server.ready
+    assert "0 traced, 0 compiled (3 loaded), 0 kernels built" in server.ready
     load = r"load [\d.]+ s \(weights [\d.]+ \w+ in [\d.]+ s at [\d.]+ \S+/s\)"
     began = r"\(([\d.]+) s after the command began\)"
     engine = r"(?:engine start [\d.]+ s, )?"  # the engine process's imports left after the pull
