@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.torch_version import TorchVersion
 
 from flare.serve import compilations
 from flare.serve.engine.attention import AttentionBackend
@@ -46,6 +47,12 @@ cache."""
 KINDS = ("first", "layers", "logits")
 """The forward's graphs: the first decoder layer's (no residual yet), the other layers',
 the logits'."""
+
+AHEAD_OF_TIME = TorchVersion(torch.__version__) >= (2, 13)
+"""Whether the forward's graphs are compiled ahead of time, saved and loaded
+(serve/precompiled.py): Dynamo's ahead-of-time compile as flare uses it is torch 2.13's (an
+experimental API whose internals change between releases). Before 2.13 (the H200 host's
+2.11), each graph is traced at its first call, a start included."""
 
 _installed = False
 
@@ -158,7 +165,7 @@ class CompiledForward:
         """Each graph's bytes, as `precompiled` saves them."""
         self.not_loaded = ""
         """Why the saved graphs were not loaded, where they were not (then they are traced)."""
-        if saved is not None:
+        if saved is not None and AHEAD_OF_TIME:
             self._load(saved)
 
     @property
@@ -214,18 +221,26 @@ class CompiledForward:
 
     def _run(self, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
         """`kind`'s graph called on `args`; at its first call, where it was not loaded,
-        traced and compiled from `fn` on them (their first dimension unbacked), then loaded
-        from the bytes it is saved in."""
+        traced and compiled from `fn` on them (their first dimension unbacked)."""
         graph = self._graphs.get(kind)
         if graph is None:
-            from flare.serve import precompiled
-
-            data = precompiled.compile_graph(fn, _unbacked(args), kind)
-            compilations.note("traced")
-            compilations.note("compiled")
-            self._saved[kind] = data
-            graph = self._graphs[kind] = precompiled.load(data)
+            graph = self._graphs[kind] = self._compile(kind, fn, args)
         return graph(*args)
+
+    def _compile(self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """`kind`'s graph compiled ahead of time and loaded back from the bytes it is saved
+        in, so a build runs what a start will; on a torch before 2.13, compiled on its first
+        call by `torch.compile`, with every call's tensors marked (nothing is saved)."""
+        if not AHEAD_OF_TIME:
+            traced = torch.compile(fn, fullgraph=True)
+            return lambda *call: traced(*_unbacked(call))
+        from flare.serve import precompiled
+
+        data = precompiled.compile_graph(fn, _unbacked(args, alias=True), kind)
+        compilations.note("traced")
+        compilations.note("compiled")
+        self._saved[kind] = data
+        return precompiled.load(data)
 
 
 def _run_layer(layer: torch.nn.Module, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,14 +254,14 @@ def _run_logits(model: torch.nn.Module, hidden: torch.Tensor, last: torch.Tensor
     return model.compute_logits(hidden[last])
 
 
-def _unbacked(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """`args` with each tensor's first dimension (tokens, or rows) marked unbacked, on an
-    alias of it (the caller's tensor stays unmarked): a graph traced from them serves every
-    batch size, with no guard on the size and no recompile."""
+def _unbacked(args: tuple[Any, ...], alias: bool = False) -> tuple[Any, ...]:
+    """`args` with each tensor's first dimension (tokens, or rows) marked unbacked (with
+    `alias`, on an alias of it, the caller's tensor left unmarked): a graph traced from them
+    serves every batch size, with no guard on the size and no recompile."""
     marked = []
     for arg in args:
         if isinstance(arg, torch.Tensor):
-            arg = arg.view(arg.shape)
+            arg = arg.view(arg.shape) if alias else arg
             torch._dynamo.decorators.mark_unbacked(arg, 0)
         marked.append(arg)
     return tuple(marked)

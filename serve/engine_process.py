@@ -280,7 +280,10 @@ def import_backends(device: str | None) -> None:
             import flashinfer  # noqa: F401
     import torch._inductor.compile_fx
 
-    from flare.serve import precompiled  # noqa: F401
+    from flare.serve.compiled import AHEAD_OF_TIME
+
+    if AHEAD_OF_TIME:
+        from flare.serve import precompiled  # noqa: F401
 
 
 class _EngineSide:

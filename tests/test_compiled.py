@@ -262,6 +262,27 @@ def test_a_deeper_model_compiles_to_the_same_three_graphs_and_answers_as_eager(
     assert (made.traced, made.compiled, made.loaded) == (0, 0, 3)
 
 
+def test_before_torch_2_13_each_graph_is_traced_at_its_first_call_and_none_is_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The H200 host's torch 2.11 has no ahead-of-time compile as flare uses it: the forward
+    traces its three graphs as it is first called, answers as eager, and saves nothing."""
+    from flare.serve import compilations, compiled
+    from flare.serve.engine.runner import EagerForward, ModelRunner
+
+    monkeypatch.setattr(compiled, "AHEAD_OF_TIME", False)
+    model, attention, blocks = _six_layers(tmp_path, monkeypatch)
+    cpu = torch.device("cpu")
+    before = compilations.snapshot()
+    forward = compiled.CompiledForward(model, tmp_path / "none")
+    tokens = _greedy(ModelRunner(model, attention, 16, cpu, forward), blocks, PROMPTS)
+    eager = _greedy(ModelRunner(model, attention, 16, cpu, EagerForward(model)), blocks, PROMPTS)
+    assert tokens == eager
+    assert (compilations.snapshot() - before).traced == 3
+    forward.save(tmp_path / "graphs")
+    assert not (tmp_path / "graphs").exists()
+
+
 def test_saved_graphs_that_do_not_load_are_traced_instead_and_say_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
