@@ -9,12 +9,12 @@ again from those bytes without tracing: Dynamo's trace of the forward's three gr
 1.3-2.5 s of every 8B start on the H200, on its critical path.
 
 A package's bytes must not depend on when or where it was built, and three things in what
-`aot_compile` keeps do: the name of the compiled graph's global (a counter and a random
-UUID: renamed here, in the bytecode too), the guards' cached hashes (of a function's memory
-address: not cached while compiling), and Inductor's timings and debug strings (the compile
-time, a repro script and a post-grad graph dump that name the cache folder, a line map:
-cleared, none is read when a graph is called). Sets in the guards and sources are pickled in
-string-hash order, which the build fixes with PYTHONHASHSEED.
+`aot_compile` keeps do: the name of the compiled graph's global (a counter and a random UUID:
+renamed here, in the bytecode too), the guards' cached hashes and code text (both hold memory
+addresses: left out, a load makes them again), and Inductor's timings and debug strings (the
+compile time, a repro script and a post-grad graph dump that name the cache folder, a line
+map: cleared, none is read when a graph is called). Sets in the guards and sources are
+pickled in string-hash order, which the build fixes with PYTHONHASHSEED.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ SUFFIX = ".graph"
 def compile_graph(fn: Callable[..., Any], args: tuple[Any, ...], kind: str) -> bytes:
     """`fn` traced on `args` and compiled, as the bytes `kind`'s graph is saved in (a forward
     loads them back before it calls the graph: the build runs what a server will run)."""
-    with _uncached_guard_hashes():
+    with _stable_guards():
         graph = torch.compile(fn, fullgraph=True).aot_compile((args, {}))
     _rename_graph(graph, f"__compiled_fn_flare_{kind}")
     compiled = graph._artifacts.compiled_fn
@@ -74,18 +74,21 @@ def load(data: bytes) -> AOTCompiledFunction:
 
 
 @contextmanager
-def _uncached_guard_hashes() -> Iterator[None]:
-    """Guards that compute their hash each time rather than keep it: a kept hash (of the
-    guard's creating function's address) is pickled with the guard, a number that differs
-    from one process to the next."""
+def _stable_guards() -> Iterator[None]:
+    """Guards pickled without their cached hash (of the creating function's memory address)
+    and their code as text (which names types by their memory address): numbers that differ
+    from one process to the next. A load builds both again from the guards themselves."""
     from torch._guards import Guard
 
-    cached = Guard.__hash__
-    Guard.__hash__ = lambda self: hash((self.name, self.source, id(self.create_fn)))
+    def state(guard: Guard) -> tuple[None, dict[str, Any]]:
+        slots = {name: getattr(guard, name) for name in Guard.__slots__ if hasattr(guard, name)}
+        return None, slots | {"_hash": None, "code_list": None}
+
+    Guard.__getstate__ = state
     try:
         yield
     finally:
-        Guard.__hash__ = cached
+        del Guard.__getstate__
 
 
 def _rename_graph(graph: AOTCompiledFunction, name: str) -> None:

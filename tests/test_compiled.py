@@ -283,6 +283,58 @@ def test_before_torch_2_13_each_graph_is_traced_at_its_first_call_and_none_is_sa
     assert not (tmp_path / "graphs").exists()
 
 
+def test_a_saved_graph_is_the_same_bytes_from_any_cache_folder_and_still_guards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two compiles of a layer's graph, each in a process and Inductor cache of its own, save
+    the same bytes (no memory address, random name or compile time in them); loaded, the
+    graph still refuses inputs it was not compiled for (float64 for float32)."""
+    script = (
+        "import sys, torch\n"
+        "from flare.serve.compiled import _run_layer, _unbacked, settings, use_cache_folder\n"
+        "from flare.serve.engine.attention_op import OperatorAttention\n"
+        "from flare.serve.models import empty_model\n"
+        "from flare.build.tiny import llama_config\n"
+        "from flare.serve import precompiled\n"
+        "from pathlib import Path\n"
+        "settings()\n"
+        "use_cache_folder(Path(sys.argv[1]))\n"
+        "model = empty_model('llama', 2, llama_config(96, 32, 2, 4, 2), torch.device('cpu'),"
+        " torch.float32)\n"
+        "x = torch.ones(5, 32)\n"
+        "rotary = model.model.rotary(torch.arange(5))\n"
+        "args = (model.model.layers[1], x, x, rotary, OperatorAttention())\n"
+        "with torch.inference_mode():\n"
+        "    data = precompiled.compile_graph(_run_layer, _unbacked(args, alias=True), 'layers')\n"
+        "Path(sys.argv[2]).write_bytes(data)\n"
+    )
+    env = os.environ | {"PYTHONHASHSEED": "0"}
+    for name in ("a", "b"):
+        subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / name), str(tmp_path / f"{name}.graph")],
+            check=True,
+            env=env,
+            timeout=600,
+        )
+    data = (tmp_path / "a.graph").read_bytes()
+    assert data == (tmp_path / "b.graph").read_bytes()
+
+    from flare.build.tiny import llama_config
+    from flare.serve import precompiled
+    from flare.serve.engine.attention_op import OperatorAttention
+    from flare.serve.models import empty_model
+
+    model = empty_model(
+        "llama", 2, llama_config(96, 32, 2, 4, 2), torch.device("cpu"), torch.float32
+    )
+    graph = precompiled.load(data)
+    with torch.inference_mode():
+        x = torch.ones(7, 32, dtype=torch.float64)
+        rotary = model.model.rotary(torch.arange(7))
+        with pytest.raises(RuntimeError, match="GuardManager check failed"):
+            graph(model.model.layers[1], x, x, rotary, OperatorAttention())
+
+
 def test_saved_graphs_that_do_not_load_are_traced_instead_and_say_why(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
