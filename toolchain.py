@@ -50,6 +50,7 @@ FORWARD_SOURCES = (
     "serve/engine/attention_op.py",
     "serve/engine/runner.py",
     "serve/compiled.py",
+    "serve/precompiled.py",
 )
 """flare's code a compiled forward is traced from (model, attention operator, the step's
 inputs, the compile settings): a change to it changes the graph Inductor looks up."""

@@ -4,7 +4,9 @@ What a compiled forward needs at start is in Inductor's cache folder after it co
 FX graph entries (the generated wrapper code and its guards), AOTAutograd's entries that lead
 to them, and the built kernels (`.so`; on CUDA the Triton cache). torch's Mega-Cache
 (`torch.compiler.save_cache_artifacts`) carries the entries but not the kernels, which the
-first call then builds again (19 s here), so flare ships the folder's files themselves.
+first call then builds again (19 s here), so flare ships the folder's files themselves, and
+beside them, in `precompiled/`, the forward's graphs as Dynamo's ahead-of-time compile saved
+them (serve/precompiled.py; made stable there).
 
 The same compile gives the same archive bytes: members sorted by name, with fixed times,
 modes and owners and no absolute path. Three things in Inductor's pickled entries are not
