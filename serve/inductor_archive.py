@@ -124,6 +124,11 @@ def _placed(folder: Path, child: str, name: str) -> str:
 
 
 def _members(cache: Path) -> Iterator[tuple[str, bytes]]:
+    """The folder's files to pack, normalized. AOTAutograd's entries are left out where the
+    graphs are precompiled: nothing reads them then (each graph's own bytes hold its compiled
+    code), and Dynamo's ahead-of-time compile saves them under keys that differ from one
+    compile to the next."""
+    precompiled = (cache / PRECOMPILED).is_dir()
     for path in cache.rglob("*"):
         if not path.is_file() or path.is_symlink():
             continue
@@ -132,7 +137,8 @@ def _members(cache: Path) -> Iterator[tuple[str, bytes]]:
         if top == GRAPHS:
             yield _normalized(name, path.read_bytes(), stable_graph)
         elif top == AUTOGRAD:
-            yield _normalized(name, path.read_bytes(), _autograd_entry)
+            if not precompiled:
+                yield _normalized(name, path.read_bytes(), _autograd_entry)
         elif top == TRITON and path.name.startswith(GROUP):
             group = _relative_group(cache, path)
             if group is not None:  # else left out: that kernel is built again at start

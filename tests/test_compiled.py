@@ -528,6 +528,20 @@ def test_decode_batch_sizes_are_powers_of_two_then_the_max() -> None:
     assert decode_batch_sizes(1) == [1]
 
 
+def test_the_archive_leaves_out_autograd_entries_where_the_graphs_are_precompiled(
+    tmp_path: Path,
+) -> None:
+    """Beside precompiled graphs AOTAutograd's entries are read by nothing (and their keys
+    differ from one compile to the next): packed without them, and with the graphs as they are."""
+    (tmp_path / "aotautograd" / "akey").mkdir(parents=True)
+    (tmp_path / "aotautograd" / "akey" / "entry").write_bytes(b"not read")
+    (tmp_path / "precompiled").mkdir()
+    (tmp_path / "precompiled" / "layers.graph").write_bytes(b"graph bytes")
+    assert pack(tmp_path, tmp_path.parent / "graphs.tar") == ["precompiled/layers.graph"]
+    assert unpack((tmp_path.parent / "graphs.tar").read_bytes(), tmp_path.parent / "out") is False
+    assert (tmp_path.parent / "out" / "precompiled" / "layers.graph").read_bytes() == b"graph bytes"
+
+
 def test_the_archive_holds_kernels_and_entries_only_with_fixed_metadata(tmp_path: Path) -> None:
     """Sources, locks and Inductor's rewritten wrappers stay out; the same folder packed
     from another path, at another time, gives the same bytes."""
