@@ -148,9 +148,10 @@ class CompiledForward:
     last rows) → logits.
 
     Every decoder layer runs one compiled graph, the same code for all of them (their weights
-    are its inputs, and so is the layer index its attention reads), so a start
-    traces one layer, not the whole stack (bench_trace_layers.py: 0.71 s for 16 and for 32
-    layers, against 1.72 and 3.2 s for the whole step). The first layer, which has no residual
+    are its inputs, and so is the layer index its attention reads), so a build compiles one
+    layer, not the whole stack, and a start loads it (or, where it traces, traces one layer:
+    bench_trace_layers.py, 0.71 s for 16 and for 32 layers, against 1.72 and 3.2 s for the
+    whole step). The first layer, which has no residual
     yet, is a graph of its own; the embedding lookup, the rotary rows' gather and the final
     norm run as they are between the graphs, one kernel each."""
 
