@@ -164,6 +164,8 @@ class CompiledForward:
         self._graphs: dict[str, Callable[..., Any]] = {}
         self._saved: dict[str, bytes] = {}
         """Each graph's bytes, as `precompiled` saves them."""
+        self._unchecked: set[str] = set()
+        """The loaded graphs not called yet (see `_fits`)."""
         self.not_loaded = ""
         """Why the saved graphs were not loaded, where they were not (then they are traced)."""
         if saved is not None and AHEAD_OF_TIME:
@@ -205,7 +207,7 @@ class CompiledForward:
         except Exception as exc:  # whatever the loader raises: trace instead, and say why
             self.not_loaded = f"{type(exc).__name__}: {exc}".splitlines()[0]
             return
-        self._saved, self._graphs = saved, graphs
+        self._saved, self._graphs, self._unchecked = saved, graphs, set(graphs)
         for _ in graphs:
             compilations.note("loaded")
 
@@ -224,9 +226,21 @@ class CompiledForward:
         """`kind`'s graph called on `args`; at its first call, where it was not loaded,
         traced and compiled from `fn` on them (their first dimension unbacked)."""
         graph = self._graphs.get(kind)
-        if graph is None:
+        if graph is None or not self._fits(kind, graph, args):
             graph = self._graphs[kind] = self._compile(kind, fn, args)
         return graph(*args)
+
+    def _fits(self, kind: str, graph: Any, args: tuple[Any, ...]) -> bool:
+        """Whether a loaded graph's guards take `args`, checked at its first call only (its
+        every call checks them, and would raise): one that refuses is compiled anew, and the
+        forward says why, rather than fail the start."""
+        if kind not in self._unchecked:
+            return True
+        self._unchecked.discard(kind)
+        if graph.guard_check(*args):
+            return True
+        self.not_loaded = f"the saved {kind} graph's guards refuse this model's inputs"
+        return False
 
     def _compile(self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """`kind`'s graph compiled ahead of time and loaded back from the bytes it is saved

@@ -262,6 +262,34 @@ def test_a_deeper_model_compiles_to_the_same_three_graphs_and_answers_as_eager(
     assert (made.traced, made.compiled, made.loaded) == (0, 0, 3)
 
 
+def test_saved_graphs_whose_guards_refuse_the_model_are_compiled_anew_and_say_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Graphs saved for a float32 model, loaded for the same model in float64: their guards
+    refuse its tensors at the first call, so each is compiled anew (the start goes on, and
+    says why) and the tokens are the eager forward's."""
+    from flare.serve import compilations
+    from flare.serve.compiled import CompiledForward, warm_up
+    from flare.serve.engine.attention_choice import make_attention
+    from flare.serve.engine.runner import EagerForward, ModelRunner
+
+    model, attention, blocks = _six_layers(tmp_path, monkeypatch)
+    cpu = torch.device("cpu")
+    saved = CompiledForward(model)
+    warm_up(ModelRunner(model, attention, 16, cpu, saved), blocks)
+    saved.save(tmp_path / "graphs")
+    model = model.double()
+    _, attention = make_attention("torch", model.attention_spec, 64 * 16, 16, torch.float64, cpu)
+    before = compilations.snapshot()
+    forward = CompiledForward(model, tmp_path / "graphs")
+    tokens = _greedy(ModelRunner(model, attention, 16, cpu, forward), blocks, PROMPTS[:2])
+    eager = EagerForward(model)
+    assert tokens == _greedy(ModelRunner(model, attention, 16, cpu, eager), blocks, PROMPTS[:2])
+    assert "guards refuse this model's inputs" in forward.not_loaded
+    made = compilations.snapshot() - before
+    assert (made.loaded, made.traced) == (3, 3)
+
+
 def test_before_torch_2_13_each_graph_is_traced_at_its_first_call_and_none_is_saved(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
