@@ -494,7 +494,8 @@ def test_artifacts_for_another_toolchain_are_refused_unless_compiled_on_start(
     host: Host,
 ) -> None:
     """A signed package naming another torch: refused at admission with what differs and the
-    fix (exit 12); `--compile-on-start` compiles it and serves it."""
+    fix (exit 12); `--compile-on-start` compiles it and serves it, and a second such start
+    loads what the first compiled."""
     manifest = latest(host, "llamaforcausallm")
     other = manifest.model_copy(
         update={"toolchain": manifest.toolchain.model_copy(update={"torch": "2.99.0+cpu"})}
@@ -520,6 +521,12 @@ def test_artifacts_for_another_toolchain_are_refused_unless_compiled_on_start(
         assert server.metric("flare_compilations_total") == 0
     finally:
         server.stop()
+    again = Server(host, "llamaforcausallm:other", "--compile-on-start")
+    try:  # the graphs the first start compiled, loaded: nothing traced or compiled again
+        loaded = r"forward compiled at start in [\d.]+ s: 0 traced, 0 compiled \(3 loaded\)"
+        assert re.search(loaded, again.ready), again.ready
+    finally:
+        again.stop()
 
 
 def test_a_package_without_artifacts_serves_uncompiled_and_says_so(host: Host) -> None:
