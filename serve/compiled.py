@@ -162,8 +162,8 @@ class CompiledForward:
         self.model = model
         self._operator = OperatorAttention()
         self._graphs: dict[str, Callable[..., Any]] = {}
-        self._saved: dict[str, bytes] = {}
-        """Each graph's bytes, as `precompiled` saves them."""
+        self._compiled: dict[str, bytes] = {}
+        """The bytes of each graph compiled here (not loaded), as `precompiled` saves them."""
         self._unchecked: set[str] = set()
         """The loaded graphs not called yet (see `_fits`)."""
         self.not_loaded = ""
@@ -189,10 +189,11 @@ class CompiledForward:
             return self._run("logits", _run_logits, self.model, hidden, last)
 
     def save(self, folder: Path) -> None:
-        """Write every graph this forward compiled or loaded to `folder`, for a start."""
+        """Write every graph this forward compiled to `folder`, for a start to load (one it
+        loaded is there already)."""
         from flare.serve import precompiled
 
-        for kind, data in self._saved.items():
+        for kind, data in self._compiled.items():
             precompiled.save(data, folder, kind)
 
     def _load(self, folder: Path) -> None:
@@ -200,14 +201,16 @@ class CompiledForward:
         Python or GPU other than the build's): the forward is traced instead, and says why."""
         from flare.serve import precompiled
 
-        saved = {kind: precompiled.read(folder, kind) for kind in KINDS}
-        saved = {kind: data for kind, data in saved.items() if data is not None}
+        graphs = {}
         try:
-            graphs = {kind: precompiled.load(data) for kind, data in saved.items()}
+            for kind in KINDS:
+                data = precompiled.read(folder, kind)
+                if data is not None:
+                    graphs[kind] = precompiled.load(data)
         except Exception as exc:  # whatever the loader raises: trace instead, and say why
             self.not_loaded = f"{type(exc).__name__}: {exc}".splitlines()[0]
             return
-        self._saved, self._graphs, self._unchecked = saved, graphs, set(graphs)
+        self._graphs, self._unchecked = graphs, set(graphs)
         for _ in graphs:
             compilations.note("loaded")
 
@@ -254,7 +257,7 @@ class CompiledForward:
         data = precompiled.compile_graph(fn, _unbacked(args, alias=True), kind)
         compilations.note("traced")
         compilations.note("compiled")
-        self._saved[kind] = data
+        self._compiled[kind] = data
         return precompiled.load(data)
 
 

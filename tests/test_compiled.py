@@ -260,6 +260,8 @@ def test_a_deeper_model_compiles_to_the_same_three_graphs_and_answers_as_eager(
     assert _greedy(ModelRunner(model, attention, 16, cpu, loaded), blocks, PROMPTS) == expected
     made = compilations.snapshot() - before
     assert (made.traced, made.compiled, made.loaded) == (0, 0, 3)
+    loaded.save(tmp_path / "again")  # what was loaded is not written again
+    assert not (tmp_path / "again").exists()
 
 
 def test_saved_graphs_whose_guards_refuse_the_model_are_compiled_anew_and_say_why(
