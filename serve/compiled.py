@@ -48,11 +48,11 @@ KINDS = ("first", "layers", "logits")
 """The forward's graphs: the first decoder layer's (no residual yet), the other layers',
 the logits'."""
 
-AHEAD_OF_TIME = TorchVersion(torch.__version__) >= (2, 13)
+AHEAD_OF_TIME = TorchVersion(torch.__version__) >= (2, 11)
 """Whether the forward's graphs are compiled ahead of time, saved and loaded
-(serve/precompiled.py): Dynamo's ahead-of-time compile as flare uses it is torch 2.13's (an
-experimental API whose internals change between releases). Before 2.13 (the H200 host's
-2.11), each graph is traced at its first call, a start included."""
+(serve/precompiled.py): Dynamo's ahead-of-time compile, an experimental API of torch 2.11
+(off by a setting there, on by default in 2.13) whose internals change between releases.
+Before 2.11, each graph is traced at its first call, a start included."""
 
 _installed = False
 
@@ -168,6 +168,9 @@ class CompiledForward:
         """The loaded graphs not called yet (see `_fits`)."""
         self.not_loaded = ""
         """Why the saved graphs were not loaded, where they were not (then they are traced)."""
+        self.not_ahead = ""
+        """Why this forward's graphs were traced rather than compiled ahead of time, where
+        the ahead-of-time compile failed (then nothing is saved)."""
         if saved is not None and AHEAD_OF_TIME:
             self._load(saved)
 
@@ -190,9 +193,12 @@ class CompiledForward:
 
     def save(self, folder: Path) -> None:
         """Write every graph this forward compiled to `folder`, for a start to load (one it
-        loaded is there already)."""
+        loaded is there already): all or none, as a package's graphs are loaded all or none
+        and its archive keeps AOTAutograd's entries only where there are none."""
         from flare.serve import precompiled
 
+        if self.not_ahead:
+            return
         for kind, data in self._compiled.items():
             precompiled.save(data, folder, kind)
 
@@ -247,18 +253,25 @@ class CompiledForward:
 
     def _compile(self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """`kind`'s graph compiled ahead of time and loaded back from the bytes it is saved
-        in, so a build runs what a start will; on a torch before 2.13, compiled on its first
-        call by `torch.compile`, with every call's tensors marked (nothing is saved)."""
-        if not AHEAD_OF_TIME:
-            traced = torch.compile(fn, fullgraph=True)
-            return lambda *call: traced(*_unbacked(call))
-        from flare.serve import precompiled
+        in, so a build runs what a start will. Traced by `torch.compile` at its first call
+        instead, with every call's tensors marked (nothing saved), on a torch before 2.11 and
+        where the ahead-of-time compile fails (an experimental API: `not_ahead` says why,
+        and the forward's later graphs are traced too)."""
+        if AHEAD_OF_TIME and not self.not_ahead:
+            from flare.serve import precompiled
 
-        data = precompiled.compile_graph(fn, _unbacked(args, alias=True), kind)
-        compilations.note("traced")
-        compilations.note("compiled")
-        self._compiled[kind] = data
-        return precompiled.load(data)
+            try:
+                data = precompiled.compile_graph(fn, _unbacked(args, alias=True), kind)
+                graph = precompiled.load(data)
+            except Exception as exc:  # whatever the experimental API raises: trace instead
+                self.not_ahead = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            else:
+                compilations.note("traced")
+                compilations.note("compiled")
+                self._compiled[kind] = data
+                return graph
+        traced = torch.compile(fn, fullgraph=True)
+        return lambda *call: traced(*_unbacked(call))
 
 
 def _run_layer(layer: torch.nn.Module, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,7 +40,7 @@ SUFFIX = ".graph"
 def compile_graph(fn: Callable[..., Any], args: tuple[Any, ...], kind: str) -> bytes:
     """`fn` traced on `args` and compiled, as the bytes `kind`'s graph is saved in (a forward
     loads them back before it calls the graph: the build runs what a server will run)."""
-    with _stable_guards():
+    with _stable_guards(), torch._dynamo.config.patch(enable_aot_compile=True):
         graph = torch.compile(fn, fullgraph=True).aot_compile((args, {}))
     _rename_graph(graph, f"__compiled_fn_flare_{kind}")
     compiled = graph._artifacts.compiled_fn

@@ -292,15 +292,12 @@ def test_saved_graphs_whose_guards_refuse_the_model_are_compiled_anew_and_say_wh
     assert (made.loaded, made.traced) == (3, 3)
 
 
-def test_before_torch_2_13_each_graph_is_traced_at_its_first_call_and_none_is_saved(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The H200 host's torch 2.11 has no ahead-of-time compile as flare uses it: the forward
-    traces its three graphs as it is first called, answers as eager, and saves nothing."""
+def _traced_not_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """A six-layer forward run greedily against eager (the same tokens asserted), the
+    compilations it made, and whether `save` wrote anything."""
     from flare.serve import compilations, compiled
     from flare.serve.engine.runner import EagerForward, ModelRunner
 
-    monkeypatch.setattr(compiled, "AHEAD_OF_TIME", False)
     model, attention, blocks = _six_layers(tmp_path, monkeypatch)
     cpu = torch.device("cpu")
     before = compilations.snapshot()
@@ -308,9 +305,45 @@ def test_before_torch_2_13_each_graph_is_traced_at_its_first_call_and_none_is_sa
     tokens = _greedy(ModelRunner(model, attention, 16, cpu, forward), blocks, PROMPTS)
     eager = _greedy(ModelRunner(model, attention, 16, cpu, EagerForward(model)), blocks, PROMPTS)
     assert tokens == eager
-    assert (compilations.snapshot() - before).traced == 3
+    made = compilations.snapshot() - before
     forward.save(tmp_path / "graphs")
     assert not (tmp_path / "graphs").exists()
+    return forward, made
+
+
+def test_before_torch_2_11_each_graph_is_traced_at_its_first_call_and_none_is_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torch without Dynamo's ahead-of-time compile: the forward traces its three graphs
+    as it is first called, answers as eager, and saves nothing."""
+    from flare.serve import compiled
+
+    monkeypatch.setattr(compiled, "AHEAD_OF_TIME", False)
+    forward, made = _traced_not_saved(tmp_path, monkeypatch)
+    assert made.traced == 3
+    assert forward.not_ahead == ""
+
+
+def test_where_the_ahead_of_time_compile_fails_the_graphs_are_traced_and_say_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ahead-of-time compile is an experimental API: where it raises (another torch's
+    internals, a GPU it was never run on), the build does not fail. The forward traces that
+    graph and the ones after it (the failing compile is tried once), answers as eager, says
+    why, and saves none (a package's graphs are loaded all or none)."""
+    from flare.serve import precompiled
+
+    calls = []
+
+    def broken(*args: Any) -> bytes:
+        calls.append(args[-1])
+        raise RuntimeError("no ahead-of-time compile on this torch\n(second line)")
+
+    monkeypatch.setattr(precompiled, "compile_graph", broken)
+    forward, made = _traced_not_saved(tmp_path, monkeypatch)
+    assert calls == ["first"]
+    assert made.loaded == 0
+    assert forward.not_ahead == "RuntimeError: no ahead-of-time compile on this torch"
 
 
 def test_a_saved_graph_is_the_same_bytes_from_any_cache_folder_and_still_guards(

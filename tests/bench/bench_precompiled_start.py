@@ -5,7 +5,7 @@ cache (the package's); it now loads them as the build compiled and saved them
 (serve/precompiled.py). This script times both on one CPU Llama, each in a fresh process
 (what a start is), with the same Inductor cache: first a build (the graphs compiled ahead of
 time and saved), then `--repeat` starts of each way, alternating: `precompiled` loads the
-saved graphs; `traced` runs the forward as torch before 2.13 does (Dynamo traces each graph
+saved graphs; `traced` runs the forward as torch before 2.11 does (Dynamo traces each graph
 at its first call; Inductor finds it in the cache, which a first traced start fills: that
 start is not counted). Each start's figure is the forward's creation (the graphs loaded, for
 `precompiled`) plus flare's warm-up (a prefill and a decode of two batches), as the ready
