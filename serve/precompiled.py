@@ -1,7 +1,8 @@
 """Precompiled graphs: each graph of the compiled forward as Dynamo's ahead-of-time compile
 keeps it, saved by the build and loaded by a start, which then traces nothing.
 
-`torch.compile(...).aot_compile` (torch 2.13, experimental) traces a function once with
+`torch.compile(...).aot_compile` (torch 2.11 and later, experimental; in 2.11 only with
+Dynamo's `enable_aot_compile`, which `compile_graph` turns on for its call) traces a function once with
 Dynamo, compiles the graph with Inductor, and keeps what a call needs: the guards, the
 bytecode that calls the graph, and the compiled graph itself (its wrapper code and, on CUDA,
 its Triton kernels' binaries). `torch.compiler.load_compiled_function` makes the function
