@@ -36,7 +36,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -135,7 +135,7 @@ class EngineProcess:
 
     def __init__(self, device: str | None = None) -> None:
         """`device`: `--device` as given (None: CUDA where a GPU is), which the process
-        prepares while it waits (`make_context`, `import_backends`)."""
+        prepares while it waits (`make_context`, `backend_imports`)."""
         self.device = device
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
         self.conn, theirs = context.Pipe()
@@ -213,10 +213,9 @@ def engine_main(conn: Connection, device: str | None = None) -> None:
     from flare.serve.runtime import GenerateRuntime, load_runtime
 
     chosen = make_context(device)
-    imported = False
-    if not conn.poll():  # the pull runs on: import the backends while it does
-        import_backends(chosen)
-        imported = True
+    backends = backend_imports(chosen)
+    while backends and not conn.poll():  # the pull runs on: import the backends meanwhile
+        backends.pop(0)()
     try:
         kind, spec = conn.recv()
     except (EOFError, OSError):  # the API process did not need an engine after all
@@ -231,7 +230,7 @@ def engine_main(conn: Connection, device: str | None = None) -> None:
             spec.files,
             spec.device,
             quarantine=quarantine,
-            beside_read=None if imported else lambda: import_backends(chosen),
+            beside_read=(lambda: [step() for step in backends]) if backends else None,
             **spec.options,
         )
         if not isinstance(runtime, GenerateRuntime):
@@ -262,23 +261,43 @@ def make_context(asked: str | None) -> str | None:
     return device
 
 
-def import_backends(device: str | None) -> None:
-    """What loading a generating package needs beyond the weights' read: on CUDA cuBLAS's
-    handle and FlashInfer's import; Inductor's and Dynamo's (the precompiled graphs' loader). Each
-    used to run after the package was known, on the path to ready (docs/performance.md).
-    Run while the pull goes on, or, once the package is known, on the main thread beside the
-    weights' read (load_runtime's `beside_read`), which takes a second or more for billions
-    of parameters: never on a thread of its own, as a module that two threads import at once
-    can be seen half-initialized (and such a thread slowed the read on the H200)."""
+def backend_imports(device: str | None) -> list[Callable[[], None]]:
+    """What loading a generating package needs beyond the weights' read, in steps: on CUDA
+    cuBLAS's handle and FlashInfer's import; Dynamo's and Inductor's imports (and the
+    precompiled graphs' loader). Each used to run after the package was known, on the path to
+    ready (docs/performance.md). `engine_main` runs them while the pull goes on, looking for
+    the package between steps (Dynamo's import alone takes over a second on the H200's host):
+    the package known, the steps left run on the main thread beside the weights' read
+    (load_runtime's `beside_read`), which takes a second or more for billions of parameters,
+    rather than before it. Never on a thread of their own, as a module that two threads
+    import at once can be seen half-initialized (and such a thread slowed the read on the
+    H200)."""
+    steps: list[Callable[[], None]] = []
+    if device == "cuda":
+        steps.append(_cublas_handle)
+        steps.append(_import_flashinfer)
+    return [*steps, _import_dynamo, _import_inductor]
+
+
+def _cublas_handle() -> None:
     import torch
 
+    torch.cuda.current_blas_handle()
+
+
+def _import_flashinfer() -> None:
     from flare.serve import flashinfer_modules
 
-    if device == "cuda":
-        torch.cuda.current_blas_handle()
-        if flashinfer_modules.available():
-            import flashinfer  # noqa: F401
-    import torch._inductor.compile_fx
+    if flashinfer_modules.available():
+        import flashinfer  # noqa: F401
+
+
+def _import_dynamo() -> None:
+    import torch._dynamo  # noqa: F401
+
+
+def _import_inductor() -> None:
+    import torch._inductor.compile_fx  # noqa: F401
 
     from flare.serve.compiled import AHEAD_OF_TIME
 

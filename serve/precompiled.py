@@ -2,9 +2,9 @@
 keeps it, saved by the build and loaded by a start, which then traces nothing.
 
 `torch.compile(...).aot_compile` (torch 2.11 and later, experimental; in 2.11 only with
-Dynamo's `enable_aot_compile`, which `compile_graph` turns on for its call) traces a function once with
-Dynamo, compiles the graph with Inductor, and keeps what a call needs: the guards, the
-bytecode that calls the graph, and the compiled graph itself (its wrapper code and, on CUDA,
+Dynamo's `enable_aot_compile`, which `compile_graph` turns on for its call) traces a function
+once with Dynamo, compiles the graph with Inductor, and keeps what a call needs: the guards,
+the bytecode that calls the graph, and the compiled graph itself (its wrapper code and, on CUDA,
 its Triton kernels' binaries). `torch.compiler.load_compiled_function` makes the function
 again from those bytes without tracing: Dynamo's trace of the forward's three graphs took
 1.3-2.5 s of every 8B start on the H200, on its critical path.

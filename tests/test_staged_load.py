@@ -311,6 +311,41 @@ def test_what_runs_beside_the_read_fails_the_load_once_the_read_has_stopped(
     assert seen[1:] == ["ok"] and runtime.kind == "generate"
 
 
+def test_an_engine_given_its_package_before_its_backends_reads_beside_them_and_answers(
+    cache: tuple[HostCache, Manifest],
+) -> None:
+    """An engine process handed its package while it still imports (the pull was quicker):
+    it takes the package at once and imports its backends beside the weights' read
+    (`backend_imports`, the steps left when the package came), then answers greedy requests
+    with the tokens an engine loaded in this process gives."""
+    from flare.serve.engine_client import start_engine
+    from flare.serve.engine_process import EngineProcess, EngineSpec, backend_imports
+    from flare.serve.runtime import SamplingParams, load_runtime
+
+    host, manifest = cache
+    assert [step.__name__ for step in backend_imports("cpu")] == [
+        "_import_dynamo",
+        "_import_inductor",
+    ]
+    files = host.files(manifest)
+    spec = EngineSpec(manifest, dict(files), "cpu", host.root, {"cuda_graphs": False})
+    client = start_engine(spec, package_files(host, manifest), EngineProcess("cpu"))
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11]]
+    try:
+        client.start()
+        answered = [[t for d in client.submit(p, greedy) for t in d.token_ids] for p in prompts]
+    finally:
+        client.stop(drain=True)
+    local = load_runtime(manifest, files, cuda_graphs=False)
+    local.start()
+    try:
+        expected = [[t for d in local.submit(p, greedy) for t in d.token_ids] for p in prompts]
+    finally:
+        local.stop(drain=True)
+    assert answered == expected and all(len(tokens) == 8 for tokens in answered)
+
+
 class Allocations(TorchDispatchMode):
     """Every tensor with memory (not on the meta device) the ops run under it make:
     (dtype, elements)."""

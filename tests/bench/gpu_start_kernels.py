@@ -95,7 +95,8 @@ def stop(server: subprocess.Popen[str], under: tuple[str, ...]) -> None:
 
 MARKS = (
     "serve_command", "pull_into_cache", "load_package_app", "start_engine", "run_server",
-    "engine_main", "make_context", "import_backends", "_ConnectionBase.recv", "load_runtime",
+    "engine_main", "make_context", "_import_dynamo", "_import_inductor", "_ConnectionBase.recv",
+    "load_runtime",
     "load_model", "make_attention", "FlashInferPagedAttention.__init__", "_start_forward",
     "unpack", "warm_up", "DecodeGraphs.capture", "PrefillGraphs.capture", "WeightsLoading._load",
     "_find_and_load",
