@@ -293,8 +293,8 @@ def test_saved_graphs_whose_guards_refuse_the_model_are_compiled_anew_and_say_wh
 
 
 def _traced_not_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
-    """A six-layer forward run greedily against eager (the same tokens asserted), the
-    compilations it made, and whether `save` wrote anything."""
+    """A six-layer forward run greedily against eager (the same tokens asserted, and that
+    `save` writes nothing); the forward and the compilations it made."""
     from flare.serve import compilations, compiled
     from flare.serve.engine.runner import EagerForward, ModelRunner
 
