@@ -165,7 +165,7 @@ class CompiledForward:
         self._compiled: dict[str, bytes] = {}
         """The bytes of each graph compiled here (not loaded), as `precompiled` saves them."""
         self._unchecked: set[str] = set()
-        """The loaded graphs not called yet (see `_fits`)."""
+        """The loaded graphs not called yet (see `_first_call`)."""
         self.not_loaded = ""
         """Why the saved graphs were not loaded, where they were not (then they are traced)."""
         self.not_ahead = ""
@@ -235,21 +235,30 @@ class CompiledForward:
         """`kind`'s graph called on `args`; at its first call, where it was not loaded,
         traced and compiled from `fn` on them (their first dimension unbacked)."""
         graph = self._graphs.get(kind)
-        if graph is None or not self._fits(kind, graph, args):
+        if graph is not None and kind in self._unchecked:
+            return self._first_call(kind, fn, graph, args)
+        if graph is None:
             graph = self._graphs[kind] = self._compile(kind, fn, args)
         return graph(*args)
 
-    def _fits(self, kind: str, graph: Any, args: tuple[Any, ...]) -> bool:
-        """Whether a loaded graph's guards take `args`, checked at its first call only (its
-        every call checks them, and would raise): one that refuses is compiled anew, and the
-        forward says why, rather than fail the start."""
-        if kind not in self._unchecked:
-            return True
+    def _first_call(
+        self, kind: str, fn: Callable[..., Any], graph: Any, args: tuple[Any, ...]
+    ) -> Any:
+        """A loaded graph's first call, its guards checked first (its every call checks
+        them, and would raise): one whose guards refuse `args`, or that raises, is compiled
+        anew and called again, and the forward says why, rather than fail the start (the
+        graphs are an experimental API's, loaded on a host the build did not run on). What
+        the failed call began is run again from its inputs: it writes the same KV entries."""
         self._unchecked.discard(kind)
-        if graph.guard_check(*args):
-            return True
-        self.not_loaded = f"the saved {kind} graph's guards refuse this model's inputs"
-        return False
+        try:
+            if graph.guard_check(*args):
+                return graph(*args)
+            self.not_loaded = f"the saved {kind} graph's guards refuse this model's inputs"
+        except Exception as exc:  # whatever the loaded graph raises: compile it here instead
+            failure = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            self.not_loaded = f"the saved {kind} graph failed at its first call: {failure}"
+        graph = self._graphs[kind] = self._compile(kind, fn, args)
+        return graph(*args)
 
     def _compile(self, kind: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """`kind`'s graph compiled ahead of time and loaded back from the bytes it is saved

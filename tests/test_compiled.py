@@ -292,6 +292,49 @@ def test_saved_graphs_whose_guards_refuse_the_model_are_compiled_anew_and_say_wh
     assert (made.loaded, made.traced) == (3, 3)
 
 
+def test_a_loaded_graph_that_fails_at_its_first_call_is_compiled_anew_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A saved graph that loads and whose guards take the inputs, but that raises when
+    called (what a graph made by an experimental API can do on a host the build did not run
+    on): the start goes on with that graph compiled anew, says why, and answers as eager."""
+    from flare.serve import compilations, precompiled
+    from flare.serve.compiled import CompiledForward, warm_up
+    from flare.serve.engine.runner import EagerForward, ModelRunner
+
+    model, attention, blocks = _six_layers(tmp_path, monkeypatch)
+    cpu = torch.device("cpu")
+    saved = CompiledForward(model)
+    warm_up(ModelRunner(model, attention, 16, cpu, saved), blocks)
+    saved.save(tmp_path / "graphs")
+    load = precompiled.load
+
+    class Failing:
+        """The loaded logits graph, raising where it would run."""
+
+        def __init__(self, graph: Any) -> None:
+            self.guard_check = graph.guard_check
+
+        def __call__(self, *args: Any) -> Any:
+            raise RuntimeError("CUDA error: an illegal memory access\nmore")
+
+    logits = (tmp_path / "graphs" / "logits.graph").read_bytes()
+    monkeypatch.setattr(
+        precompiled, "load", lambda data: Failing(load(data)) if data == logits else load(data)
+    )
+    before = compilations.snapshot()
+    forward = CompiledForward(model, tmp_path / "graphs")
+    tokens = _greedy(ModelRunner(model, attention, 16, cpu, forward), blocks, PROMPTS[:2])
+    eager = EagerForward(model)
+    assert tokens == _greedy(ModelRunner(model, attention, 16, cpu, eager), blocks, PROMPTS[:2])
+    assert forward.not_loaded == (
+        "the saved logits graph failed at its first call: RuntimeError: CUDA error: an illegal "
+        "memory access"
+    )
+    made = compilations.snapshot() - before
+    assert (made.loaded, made.traced) == (3, 1)
+
+
 def _traced_not_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
     """A six-layer forward run greedily against eager (the same tokens asserted, and that
     `save` writes nothing); the forward and the compilations it made."""
