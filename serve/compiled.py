@@ -214,7 +214,7 @@ class CompiledForward:
                 if data is not None:
                     graphs[kind] = precompiled.load(data)
         except Exception as exc:  # whatever the loader raises: trace instead, and say why
-            self.not_loaded = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            self.not_loaded = _described(exc)
             return
         self._graphs, self._unchecked = graphs, set(graphs)
         for _ in graphs:
@@ -255,7 +255,7 @@ class CompiledForward:
                 return graph(*args)
             self.not_loaded = f"the saved {kind} graph's guards refuse this model's inputs"
         except Exception as exc:  # whatever the loaded graph raises: compile it here instead
-            failure = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            failure = _described(exc)
             self.not_loaded = f"the saved {kind} graph failed at its first call: {failure}"
         graph = self._graphs[kind] = self._compile(kind, fn, args)
         return graph(*args)
@@ -273,7 +273,7 @@ class CompiledForward:
                 data = precompiled.compile_graph(fn, _unbacked(args, alias=True), kind)
                 graph = precompiled.load(data)
             except Exception as exc:  # whatever the experimental API raises: trace instead
-                self.not_ahead = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                self.not_ahead = _described(exc)
             else:
                 compilations.note("traced")
                 compilations.note("compiled")
@@ -281,6 +281,11 @@ class CompiledForward:
                 return graph
         traced = torch.compile(fn, fullgraph=True)
         return lambda *call: traced(*_unbacked(call))
+
+
+def _described(exc: Exception) -> str:
+    """An exception as one line of the ready line's reasons: its type and first line."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
 def _run_layer(layer: torch.nn.Module, *inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -230,7 +231,7 @@ def engine_main(conn: Connection, device: str | None = None) -> None:
             spec.files,
             spec.device,
             quarantine=quarantine,
-            beside_read=(lambda: [step() for step in backends]) if backends else None,
+            beside_read=partial(_run_all, backends) if backends else None,
             **spec.options,
         )
         if not isinstance(runtime, GenerateRuntime):
@@ -277,6 +278,11 @@ def backend_imports(device: str | None) -> list[Callable[[], None]]:
         steps.append(_cublas_handle)
         steps.append(_import_flashinfer)
     return [*steps, _import_dynamo, _import_inductor]
+
+
+def _run_all(steps: list[Callable[[], None]]) -> None:
+    for step in steps:
+        step()
 
 
 def _cublas_handle() -> None:
