@@ -37,6 +37,8 @@ read before the step after the next is launched). Prefill steps have graphs of t
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -157,9 +159,8 @@ class DecodeGraphs:
         """Capture every size, largest first, into one memory pool; each size's step is run
         once before its capture (kernels loaded, cuBLAS's workspace made)."""
         device = self._last.device
-        torch.cuda.synchronize(device)
-        free, _ = torch.cuda.mem_get_info(device)
         started = time.perf_counter()
+        free = settled_free(device)
         spec = self.attention.spec
         group = spec.num_heads // spec.num_kv_heads
         self._workspace = DecodeWorkspace(
@@ -168,8 +169,7 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             self._graphs[size] = self._capture(size, self.pool)
             self.pool = self._graphs[size].graph.pool()
-        torch.cuda.synchronize(device)
-        taken = free - torch.cuda.mem_get_info(device)[0]
+        taken = free - settled_free(device)
         return GraphReport(self.sizes, time.perf_counter() - started, max(0, taken))
 
     def _capture(self, size: int, pool: tuple[int, int] | None) -> _Graph:
@@ -186,7 +186,7 @@ class DecodeGraphs:
         self._step(size, attention)
         torch.cuda.synchronize(self._last.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with recording(graph, pool):
             logits, maxima = self._step(size, attention)
         return _Graph(graph, logits, maxima)
 
@@ -256,6 +256,40 @@ class DecodeGraphs:
                 f"{len(tokens)} pending tokens, more than the graphs' {len(self._tokens)} rows"
             )
         self._tokens[: len(tokens)].copy_(tokens)
+
+
+def settled_free(device: torch.device) -> int:
+    """The device's free memory once its queued work is done and the caching allocator has
+    given back what it holds unused (the weights' read buffers, the last steps' temporaries):
+    taken before and after a set of captures, the difference is what the graphs hold."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
+@contextmanager
+def recording(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None) -> Iterator[None]:
+    """Capture the work the block queues into `graph`, its memory from `pool` (None: a pool
+    of its own), on the device's one capture stream (graphs that share a pool must share it),
+    the device's queued work done first (the caller waits for it). As `torch.cuda.graph`,
+    less the caching allocator's `empty_cache` before each capture: a start captures a graph
+    per decode size and prefill shape in a row, each run once just before, and emptied, every
+    run's temporaries came from the driver again (vLLM skips it after its first graph for the
+    same reason). The caller empties the cache before the captures and after (`settled_free`)."""
+    device = torch.cuda.current_device()
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        graph.capture_begin(*(() if pool is None else (pool,)))
+        try:
+            yield
+        finally:
+            graph.capture_end()
+
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+"""The stream each device's graphs are captured on."""
 
 
 def _aligned(count: int) -> int:

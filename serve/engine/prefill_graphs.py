@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flare.serve.engine.cuda_graphs import STAGED, GraphReport
+from flare.serve.engine.cuda_graphs import STAGED, GraphReport, recording, settled_free
 from flare.serve.engine.device_io import settle
 from flare.serve.engine.flashinfer_attention import (
     FlashInferGraphPrefill,
@@ -177,14 +177,12 @@ class PrefillGraphs:
         share their memory: one step runs at a time); each shape's step is run once before
         its capture (cuBLAS's workspace made, FlashInfer's wrapper planned)."""
         device = self._last.device
-        torch.cuda.synchronize(device)
-        free, _ = torch.cuda.mem_get_info(device)
         started = time.perf_counter()
+        free = settled_free(device)
         for shape in self.shapes:
             self._graphs[shape] = self._capture(shape, pool)
             pool = self._graphs[shape].graph.pool()
-        torch.cuda.synchronize(device)
-        taken = free - torch.cuda.mem_get_info(device)[0]
+        taken = free - settled_free(device)
         tokens = sorted({t for _, t in self.shapes})
         return GraphReport(
             tokens,
@@ -201,7 +199,7 @@ class PrefillGraphs:
         self._step(shape)
         torch.cuda.synchronize(self._last.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with recording(graph, pool):
             logits = self._step(shape)
         return _Graph(graph, logits)
 

@@ -100,8 +100,12 @@ MARKS = (
     "load_model", "make_attention", "FlashInferPagedAttention.__init__", "_start_forward",
     "unpack", "warm_up", "DecodeGraphs.capture", "PrefillGraphs.capture", "WeightsLoading._load",
     "_find_and_load",
+    "DecodeGraphs._step", "PrefillGraphs._step", "recording", "settled_free", "synchronize",
 )  # fmt: skip
-"""The frames whose spans the timeline gives: the start's steps, and imports."""
+"""The frames whose spans the timeline gives: the start's steps, and imports; within the
+graphs' capture, each graph's step (run once, then captured), the capture's own begin and
+end (`recording`: the driver instantiates the graph at its end), the caching allocator
+emptied (`settled_free`) and the waits for the device."""
 
 
 def spy_timeline(trace: Path) -> dict[str, dict[str, list[float]]]:
