@@ -103,3 +103,22 @@ def device_memory(device: str) -> tuple[int, int]:
     page = os.sysconf("SC_PAGE_SIZE")
     free = meminfo.get("MemAvailable", page * os.sysconf("SC_AVPHYS_PAGES"))
     return free, meminfo.get("MemTotal", page * os.sysconf("SC_PHYS_PAGES"))
+
+
+def free_for_admission(device: str) -> int:
+    """Free bytes on `device`, read by a process that will not run the model there: a pull's
+    admission, in `flare serve`'s API process, whose engine process then loads the model.
+    CUDA's own count (`device_memory`) makes a CUDA context in the process that asks, which
+    then holds a few hundred MB of the GPU for the server's life, memory the engine's KV
+    cache no longer finds; so on a GPU the driver's count is read through NVML instead (the
+    nvidia-ml-py package, which FlashInfer needs too), as nvidia-smi reads it. CUDA's where
+    NVML cannot answer (not installed, a device it does not name)."""
+    if device == "cuda":
+        import torch
+
+        try:
+            used = torch.cuda.device_memory_used()
+        except Exception:  # whatever NVML's binding raises: ask CUDA instead
+            return device_memory(device)[0]
+        return max(0, torch.cuda.get_device_properties().total_memory - used)
+    return device_memory(device)[0]

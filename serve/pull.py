@@ -18,7 +18,7 @@ from flare.registry.leases import hold_lease
 from flare.registry.registry import Registry
 from flare.serve.cache import HostCache
 from flare.serve.compat import HostToolchain, check_compatible
-from flare.serve.memory_plan import device_memory, memory_size
+from flare.serve.memory_plan import free_for_admission, memory_size
 from flare.sign.policy import TrustPolicy
 from flare.sign.verify import Verdict, check_trusted
 from flare.store.blobs import PutResult
@@ -109,7 +109,7 @@ def admit(
         disk_free=disk_free,
         linked=linked,
         memory_needed=weight_bytes(manifest, request.host.device, request.ranks) + request.reserve,
-        memory_free=device_memory(request.host.device)[0],
+        memory_free=free_for_admission(request.host.device),
     )
     _check_room(manifest, cache, admission)
     return admission

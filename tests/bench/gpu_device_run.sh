@@ -11,7 +11,7 @@
 #     alembic annotated-types apache-tvm-ffi blake3 cffi cryptography fastapi \
 #     flashinfer-python==0.6.1 mako opentelemetry-api pycparser pydantic pydantic-core \
 #     sigstore-models sqlalchemy starlette typing-extensions typing-inspection uvicorn \
-#     zstandard httptools uvloop py-spy nvidia-cudnn-frontend
+#     zstandard httptools uvloop py-spy nvidia-cudnn-frontend nvidia-ml-py
 #
 # Use: [GATE="tests/test_x.py ..."] bash tests/bench/gpu_device_run.sh STAGE...
 # Stages: gate (the GPU tests; each test that builds a CUDA package takes minutes on a fresh
@@ -37,7 +37,7 @@ if [ ! -f /tmp/pyc/.compiled ]; then  # bytecode once: else every process compil
     $(python3 -c 'import site; print(" ".join(site.getsitepackages()))') /tmp/site >/dev/null 2>&1
   mkdir -p /tmp/pyc && touch /tmp/pyc/.compiled
 fi
-gate=${GATE:-"tests/test_prefill_graphs.py tests/test_cuda_graphs.py tests/test_activation.py"}
+gate=${GATE:-"tests/test_prefill_graphs.py tests/test_cuda_graphs.py tests/test_activation.py tests/test_admission_memory.py"}
 serving=(--skip-compiled --kernel-cache /tmp/kc)
 for stage in "$@"; do
   echo "== $(( $(date +%s) - started )) s: $stage"

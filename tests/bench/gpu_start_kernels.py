@@ -144,6 +144,25 @@ def spy_timeline(trace: Path) -> dict[str, dict[str, list[float]]]:
     }
 
 
+def gpu_processes(api: int) -> dict[str, float] | str:
+    """The processes holding a CUDA context on a GPU, by NVML (nvidia-smi's count), as MB of
+    GPU memory each, named `api` (the server's API process, which should hold none: its
+    admission reads the free memory through NVML) or `other <pid>` (the engine process)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as exc:  # no NVML here: a CPU run
+        return f"not read: {type(exc).__name__}"
+    found = {}
+    for index in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            name = "api" if process.pid == api else f"other {process.pid}"
+            found[name] = round((process.usedGpuMemory or 0) / 1e6, 1)
+    return found
+
+
 def bytecode() -> str:
     """Whether torch's modules load from bytecode, as after pip's install: a start that
     compiles torch's sources takes twice as long (PYTHONDONTWRITEBYTECODE, a venv without
@@ -183,6 +202,7 @@ def main() -> int:
     server, _, ready, seconds = start_server(
         env | {"KERNEL_LOG": str(work / "serve.jsonl")}, "s", "--device", args.device
     )
+    report["gpu_processes"] = gpu_processes(server.pid)
     stop(server, ())
     built, at_build = kernels(work / "serve.jsonl"), kernels(work / "build.jsonl")
     report |= {"ready_line": ready, "ready_s": round(seconds, 2), "built_at_start": built}
