@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -281,11 +281,14 @@ def recording(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None) -> Iter
     if stream is None:
         stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
     with torch.cuda.stream(stream):
-        graph.capture_begin(*(() if pool is None else (pool,)))
+        graph.capture_begin(pool=pool)
         try:
             yield
-        finally:
-            graph.capture_end()
+        except BaseException:
+            with suppress(RuntimeError):  # the capture the error broke: the error says why
+                graph.capture_end()
+            raise
+        graph.capture_end()
 
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
