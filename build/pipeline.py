@@ -391,6 +391,11 @@ class Build:
                 archive, made, from_cache = compiled_forward(
                     inputs, KernelCache(request.kernel_cache), scratch
                 )
+                if made.get("not_ahead"):
+                    self.events.note(
+                        "compile: the forward's graphs were traced, not compiled ahead of time "
+                        f"({made['not_ahead']}); servers of this package trace them at start"
+                    )
                 path = COMPILED_PATH.format(target=prepared.target)
                 entry = self._prepared_file("compiled", path, archive, prepared, made["shapes"])
             finally:

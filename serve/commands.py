@@ -96,7 +96,9 @@ def serve_command(
     ],
     registry: RegistryOption = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8000,
+    port: Annotated[
+        int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free port).")
+    ] = 8000,
     device: DeviceOption = None,
     revision: RevisionOption = None,
     accept: AcceptOption = None,

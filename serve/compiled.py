@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,8 @@ class CompiledForward:
         self.not_ahead = ""
         """Why this forward's graphs were traced rather than compiled ahead of time, where
         the ahead-of-time compile failed (then nothing is saved)."""
+        self._ahead_entries: set[Path] = set()
+        """The AOTAutograd cache entries the ahead-of-time compiles wrote (see `_compile`)."""
         if saved is not None and AHEAD_OF_TIME:
             self._load(saved)
 
@@ -269,18 +272,40 @@ class CompiledForward:
         if AHEAD_OF_TIME and not self.not_ahead:
             from flare.serve import precompiled
 
+            before = _autograd_entries()
             try:
                 data = precompiled.compile_graph(fn, _unbacked(args, alias=True), kind)
                 graph = precompiled.load(data)
             except Exception as exc:  # whatever the experimental API raises: trace instead
                 self.not_ahead = _described(exc)
+                self._drop_ahead_entries(before)
             else:
+                self._ahead_entries |= _autograd_entries() - before
                 compilations.note("traced")
                 compilations.note("compiled")
                 self._compiled[kind] = data
                 return graph
         traced = torch.compile(fn, fullgraph=True)
         return lambda *call: traced(*_unbacked(call))
+
+    def _drop_ahead_entries(self, before: set[Path]) -> None:
+        """Remove the AOTAutograd cache entries this forward's ahead-of-time compiles wrote,
+        the failed one's included, once it falls back to tracing: nothing reads them (a
+        start finds no saved graph and traces), and each compile keys its entry anew, so a
+        package whose archive kept them would not rebuild byte for byte (`build --check`)."""
+        for entry in self._ahead_entries | (_autograd_entries() - before):
+            shutil.rmtree(entry, ignore_errors=True)
+        self._ahead_entries.clear()
+
+
+def _autograd_entries() -> set[Path]:
+    """The AOTAutograd cache's entries in Inductor's cache folder now (one folder a key)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from flare.serve.inductor_archive import AUTOGRAD
+
+    folder = Path(cache_dir()) / AUTOGRAD
+    return set(folder.iterdir()) if folder.is_dir() else set()
 
 
 def _described(exc: Exception) -> str:

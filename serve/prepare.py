@@ -96,6 +96,7 @@ def compile_forward(spec: dict[str, Any], out: Path) -> dict[str, Any]:
         "members": len(members),
         "kernels": made.kernels,
         "seconds": time.perf_counter() - started,
+        "not_ahead": forward.not_ahead,
     }
 
 

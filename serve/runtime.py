@@ -23,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from torch import nn
 
-from flare.errors import InvalidInputError, NotFoundError
+from flare.errors import InvalidInputError, NoSpaceError, NotFoundError
 from flare.serve import compilations, flashinfer_modules
 from flare.serve.artifacts import RuntimeArtifacts, StartReport, runtime_artifacts
 from flare.serve.compilations import Compilations
@@ -558,7 +558,9 @@ def _kv_sizing(
 ) -> KvSizing:
     """Tokens the KV cache holds: `given` (--kv-cache-tokens), else a memory budget, but no
     more than a full batch of full contexts; and how that was decided, for the memory plan."""
+    per_token = model.attention_spec.bytes_per_token(dtype)
     if given:
+        _check_room_for(given, per_token, device, reserve)
         return KvSizing(given, f"given: --kv-cache-tokens {given}")
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -570,7 +572,6 @@ def _kv_sizing(
     else:  # the ranks of a CPU host share its budget (each caches its own KV heads)
         budget = CPU_KV_BYTES // getattr(getattr(model, "shard", None), "world", 1)
         source = f"the CPU budget of {memory_size(budget)}"
-    per_token = model.attention_spec.bytes_per_token(dtype)
     full = model.context_length * MAX_NUM_SEQS
     if budget // per_token > full:
         return KvSizing(
@@ -579,6 +580,20 @@ def _kv_sizing(
             f"within {source}",
         )
     return KvSizing(budget // per_token, f"by memory: {source}")
+
+
+def _check_room_for(tokens: int, per_token: int, device: torch.device, reserve: int) -> None:
+    """Refuse a KV cache of `tokens` (--kv-cache-tokens) that the device's free memory, the
+    weights allocated, cannot hold beside memory.reserve, before allocating any of it: said
+    as admission says it, rather than as the allocator's failure."""
+    needed, free = tokens * per_token, device_memory(device.type)[0]
+    if needed > free - reserve:
+        raise NoSpaceError(
+            f"--kv-cache-tokens {tokens} needs {memory_size(needed)} of KV cache, and "
+            f"{device.type} has {memory_size(max(0, free - reserve))} free after the weights "
+            "and memory.reserve",
+            "give fewer tokens, or leave --kv-cache-tokens out to size the cache to the memory",
+        )
 
 
 def _memory_plan(

@@ -624,6 +624,69 @@ def test_check_rebuilds_the_artifacts_byte_for_byte(host: Host) -> None:
     assert result["identical"] and result["artifacts"] == []
 
 
+FAIL_LOGITS_AHEAD = """
+import importlib.abc, importlib.machinery, sys
+
+class _Patch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "flare.serve.precompiled":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            real = module.compile_graph
+
+            def compile_graph(fn, args, kind):
+                if kind == "logits":
+                    raise RuntimeError("the logits graph cannot be compiled ahead here")
+                return real(fn, args, kind)
+
+            module.compile_graph = compile_graph
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _Patch())
+"""
+"""A sitecustomize module that makes the ahead-of-time compile fail at the logits' graph,
+the last of the three, in every process of the build."""
+
+
+def test_a_build_whose_ahead_of_time_compile_fails_partway_says_so_and_rebuilds_identical(
+    tmp_path: Path,
+) -> None:
+    """The first two graphs compiled ahead of time, the third's compile failing: the build
+    goes on, says the graphs were traced and why, saves none, and its archive holds nothing
+    a compile keys anew (the first two compiles' AOTAutograd entries), so `build --check`
+    rebuilds it byte for byte."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(FAIL_LOGITS_AHEAD)
+    host = Host(tmp_path, tmp_path / "kernels")
+    host.env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, (str(tmp_path / "site"), host.env.get("PYTHONPATH")))
+    )
+    host.flare("key", "generate", "--publisher", "alice")
+    source = make_llama(tmp_path / "ckpt")
+    args = ("build", str(source), "--name", "partway", "--target", "cpu", "--json")
+    built = host.flare(*args)
+    assert (
+        "the forward's graphs were traced, not compiled ahead of time (RuntimeError: the "
+        "logits graph cannot be compiled ahead here)"
+    ) in built.stderr
+    manifest = host.manifest(json.loads(built.stdout)["digest"])
+    compiled = next(a for a in manifest.artifacts if a.kind == "compiled")
+    with tarfile.open(
+        fileobj=io.BytesIO(host.store.read_bytes(Digest.parse(compiled.digest)))
+    ) as tar:
+        names = tar.getnames()
+    assert not any(name.startswith("precompiled/") for name in names)
+    checked = json.loads(host.flare("build", "--check", "partway", "--json").stdout)
+    assert checked["identical"] and checked["artifacts"] == []
+
+
 def test_bad_runtime_options_are_refused_before_any_work(host: Host) -> None:
     source = str(host.root / "LlamaForCausalLM")
     for option, message in (

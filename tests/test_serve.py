@@ -398,6 +398,33 @@ def test_a_taken_port_is_refused_at_once(home: Path, server: Server) -> None:
     assert "pick another --port" in done.stderr and done.stderr.count("\n") == 1
 
 
+def test_a_kv_cache_larger_than_the_memory_is_refused_in_one_line(home: Path) -> None:
+    """--kv-cache-tokens beyond what the device has free is refused before any of it is
+    allocated, as admission refuses (exit 8, what it needs, what is free, what to do), not as
+    the allocator's failure with a traceback; a port out of range is a usage error."""
+    tokens = str(10**12)
+    done = subprocess.run(
+        [sys.executable, "-m", "flare", "serve", "tiny", "--port", "0", "--device", "cpu",
+         "--kv-cache-tokens", tokens],
+        env=flare_env(home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 8 and done.stdout == "", done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"error: --kv-cache-tokens {tokens} needs ")
+    assert "free after the weights and memory.reserve; give fewer tokens" in done.stderr
+    refused = subprocess.run(
+        [sys.executable, "-m", "flare", "serve", "tiny", "--port", "65536"],
+        env=flare_env(home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2 and "65536 is not in the range 0<=x<=65535" in refused.stderr
+
+
 def test_flashinfer_attention_where_it_cannot_run_is_refused_with_the_reason(home: Path) -> None:
     """Asked for FlashInfer on the CPU, serve says why not and what to do, in one line, and
     serves nothing; with --attention torch the `loaded` line names the backend that runs."""
