@@ -1,8 +1,10 @@
 """The OpenAI request bodies flare accepts, validated before any request reaches the engine,
 and the bodies it answers with (for the OpenAPI document at /openapi.json).
 
-Fields the OpenAI API defines and flare does not implement (n > 1, best_of, tools) are
-refused with a clear message rather than silently ignored; unknown extra fields are ignored,
+Fields the OpenAI API defines and flare does not implement (n > 1, best_of, penalties,
+logit_bias, suffix, tools and functions, a response format other than text) are refused with
+a clear message unless they ask for nothing, rather than silently ignored (`unimplemented`);
+unknown extra fields are ignored,
 as OpenAI clients send some (user, stream_options) that change nothing here. Types are strict,
 as the OpenAPI document states them: `false` is not a token id, nor `"5"` a max_tokens.
 
@@ -55,6 +57,20 @@ def _strings(value: Any) -> list[str]:
 Unicode = AfterValidator(_valid_unicode)
 
 
+def unimplemented(*neutral: Any) -> AfterValidator:
+    """For a field the OpenAI API defines and flare does not implement: its neutral values
+    pass (what a client sends when it asks for nothing), any other is refused, naming them,
+    rather than ignored (a `logit_bias` that bans a token, ignored, would answer with it)."""
+    allowed = " or ".join(repr(v) for v in neutral)
+
+    def check(value: Any) -> Any:
+        if value is not None and value not in neutral:
+            raise ValueError(f"not implemented by flare: send {allowed}, or leave it out")
+        return value
+
+    return AfterValidator(check)
+
+
 REQUEST = ConfigDict(extra="ignore", strict=True)
 """How every request body (and each object in one) is read."""
 
@@ -82,6 +98,9 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
+    frequency_penalty: Annotated[float | None, unimplemented(0)] = None
+    presence_penalty: Annotated[float | None, unimplemented(0)] = None
+    logit_bias: Annotated[dict[str, float] | None, unimplemented({})] = None
 
     @model_validator(mode="after")
     def _stops(self) -> Sampling:
@@ -100,6 +119,8 @@ class CompletionRequest(Sampling):
     prompt: Annotated[str | list[int] | list[str], Unicode]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: Literal[False] = False
+    best_of: Annotated[int | None, unimplemented(1)] = None
+    suffix: Annotated[str | None, unimplemented("")] = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -155,6 +176,11 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Annotated[list[dict[str, Any]] | None, unimplemented([])] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, unimplemented("none", "auto")] = None
+    functions: Annotated[list[dict[str, Any]] | None, unimplemented([])] = None
+    function_call: Annotated[str | dict[str, Any] | None, unimplemented("none", "auto")] = None
+    response_format: Annotated[dict[str, Any] | None, unimplemented({"type": "text"})] = None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -249,6 +249,55 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: Ser
     assert server.client().completions.create(model="tiny", prompt="hi", max_tokens=2).choices
 
 
+def test_openai_fields_flare_does_not_implement_are_refused_unless_they_ask_nothing(
+    server: Server,
+) -> None:
+    """A penalty, a logit bias, best_of, a suffix, tools, a JSON response format: each would
+    change the answer, so flare refuses it by name (400) rather than ignore it; the neutral
+    values clients send when they ask for nothing pass."""
+    refused = [
+        ("completions", {"logit_bias": {"5": -100}}, "logit_bias"),
+        ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
+        ("completions", {"frequency_penalty": -1}, "frequency_penalty"),
+        ("completions", {"best_of": 3}, "best_of"),
+        ("completions", {"suffix": " end"}, "suffix"),
+        ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ]
+    neutral = {
+        "completions": {
+            "frequency_penalty": 0,
+            "presence_penalty": 0.0,
+            "logit_bias": {},
+            "best_of": 1,
+            "suffix": "",
+        },
+        "chat/completions": {
+            "tools": [],
+            "tool_choice": "none",
+            "response_format": {"type": "text"},
+            "frequency_penalty": 0,
+        },
+    }
+    for route, extra, field in refused:
+        reply = httpx.post(f"{server.url}/{route}", json=_body(route) | extra)
+        assert reply.status_code == 400, (extra, reply.text)
+        error = reply.json()["error"]
+        assert error["param"] == field and "not implemented by flare" in error["message"], error
+    for route, extra in neutral.items():
+        reply = httpx.post(f"{server.url}/{route}", json=_body(route) | extra)
+        assert reply.status_code == 200, (extra, reply.text)
+
+
+def _body(route: str) -> dict:
+    """A short greedy request to `route` of the tiny model."""
+    body = {"model": "tiny", "max_tokens": 2, "temperature": 0}
+    if route == "completions":
+        return body | {"prompt": "hi"}
+    return body | {"messages": [{"role": "user", "content": "hi"}]}
+
+
 def test_a_client_leaving_mid_stream_frees_its_cache_pages(server: Server) -> None:
     body = {
         "model": "tiny",
