@@ -316,8 +316,11 @@ class _Routes:
         if model != self.package.name:
             raise self._not_served(model)
         if self.runtime.kind != kind:
+            route = "/v1/embeddings" if self.runtime.kind == "embed" else "/v1/completions or chat"
             raise ApiError(
-                400, f"{model} is a {self.runtime.kind} model; this route needs a {kind} model"
+                400,
+                f"{model} is a {self.runtime.kind} model, which this route does not serve; "
+                f"send it to {route}",
             )
 
     def _params(

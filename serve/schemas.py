@@ -182,6 +182,12 @@ class ChatRequest(Sampling):
     function_call: Annotated[str | dict[str, Any] | None, unimplemented("none", "auto")] = None
     response_format: Annotated[dict[str, Any] | None, unimplemented({"type": "text"})] = None
 
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs true")
+        return self
+
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 

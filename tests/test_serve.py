@@ -290,6 +290,22 @@ def test_openai_fields_flare_does_not_implement_are_refused_unless_they_ask_noth
         assert reply.status_code == 200, (extra, reply.text)
 
 
+def test_a_request_for_another_kind_of_model_or_half_a_logprobs_ask_is_refused(
+    server: Server,
+) -> None:
+    """Embeddings asked of a generating model say where to send it; top_logprobs without
+    logprobs is refused rather than dropped."""
+    reply = httpx.post(f"{server.url}/embeddings", json={"model": "tiny", "input": "hi"})
+    assert reply.status_code == 400
+    message = reply.json()["error"]["message"]
+    assert message == (
+        "tiny is a generate model, which this route does not serve; "
+        "send it to /v1/completions or chat"
+    )
+    reply = httpx.post(f"{server.url}/chat/completions", json=_body("chat") | {"top_logprobs": 3})
+    assert reply.status_code == 400 and "top_logprobs: needs logprobs true" in reply.text
+
+
 def _body(route: str) -> dict:
     """A short greedy request to `route` of the tiny model."""
     body = {"model": "tiny", "max_tokens": 2, "temperature": 0}
