@@ -30,12 +30,26 @@ if TYPE_CHECKING:
 
 Parsed = TypeVar("Parsed")
 
+
+def _not_blank(value: str | None) -> str | None:
+    """An option given as an empty string (an unset shell variable, most often) is refused,
+    not taken: an empty --host listens on every interface, an empty --api-key would let any
+    request in, an empty --revision matches nothing."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("is empty; give a value, or leave the option out")
+    return value
+
+
 DeviceOption = Annotated[
     str | None, typer.Option("--device", help="cpu or cuda (default: CUDA where a GPU is).")
 ]
 RevisionOption = Annotated[
     str | None,
-    typer.Option("--revision", help="Refuse the package unless built from this model revision."),
+    typer.Option(
+        "--revision",
+        callback=_not_blank,
+        help="Refuse the package unless built from this model revision.",
+    ),
 ]
 
 
@@ -95,7 +109,9 @@ def serve_command(
         ),
     ],
     registry: RegistryOption = None,
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option(callback=_not_blank, help="Address to listen on.")
+    ] = "127.0.0.1",
     port: Annotated[
         int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free port).")
     ] = 8000,
@@ -112,7 +128,11 @@ def serve_command(
     ] = False,
     api_key: Annotated[
         str | None,
-        typer.Option(envvar="FLARE_API_KEY", help="Require `Authorization: Bearer KEY`."),
+        typer.Option(
+            envvar="FLARE_API_KEY",
+            callback=_not_blank,
+            help="Require `Authorization: Bearer KEY`.",
+        ),
     ] = None,
     kv_cache_tokens: Annotated[
         int | None, typer.Option(min=16, help="KV cache size in tokens (default: by memory).")
@@ -197,6 +217,7 @@ def serve_command(
     )
 
     require_serve_extra()
+    _refuse_blank_key(api_key)
     limits = _body_limits(max_body_size, body_timeout)
     from flare.serve.engine_process import engine_for
 
@@ -250,6 +271,17 @@ def serve_command(
             run_server(app, runtime, sock, _say_ready(plan, runtime, times))
             if leader is not None:
                 leader.close()
+
+
+def _refuse_blank_key(api_key: str | None) -> None:
+    """FLARE_API_KEY set but empty: typer takes it as unset, and the server would take every
+    request; refused, as an empty --api-key is."""
+    blank = os.environ.get("FLARE_API_KEY")
+    if api_key is None and blank is not None and not blank.strip():
+        raise InvalidInputError(
+            "FLARE_API_KEY is set but empty, so no key would be asked of any request",
+            "set it to the key, or unset it to serve without one",
+        )
 
 
 def _body_limits(max_body_size: str | None, body_timeout: str | None) -> BodyLimits:

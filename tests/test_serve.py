@@ -490,6 +490,27 @@ def test_a_kv_cache_larger_than_the_memory_is_refused_in_one_line(home: Path) ->
     assert refused.returncode == 2 and "65536 is not in the range 0<=x<=65535" in refused.stderr
 
 
+def test_empty_options_that_would_open_the_server_are_refused(home: Path) -> None:
+    """An empty --host (every interface), --api-key or FLARE_API_KEY (no key asked), or
+    --revision (an unset shell variable, most often) is refused before anything starts."""
+    serve = [sys.executable, "-m", "flare", "serve", "tiny", "--port", "0", "--device", "cpu"]
+    for extra, env, code, words in (
+        (["--host", ""], {}, 2, "'--host': is empty"),
+        (["--api-key", " "], {}, 2, "'--api-key'"),
+        (["--revision", ""], {}, 2, "'--revision': is empty"),
+        ([], {"FLARE_API_KEY": ""}, 4, "error: FLARE_API_KEY is set but empty"),
+    ):
+        done = subprocess.run(
+            [*serve, *extra],
+            env=flare_env(home, **env),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == code and done.stdout == "", (extra, env, done.stderr)
+        assert words in done.stderr, done.stderr
+
+
 def test_flashinfer_attention_where_it_cannot_run_is_refused_with_the_reason(home: Path) -> None:
     """Asked for FlashInfer on the CPU, serve says why not and what to do, in one line, and
     serves nothing; with --attention torch the `loaded` line names the backend that runs."""
