@@ -76,6 +76,16 @@ class BuildProgress:
         err.print(message, markup=False)
 
 
+def _payload_bytes(text: str) -> int:
+    """--payload-size in bytes; 0 is refused (a target of no bytes: every tensor a blob)."""
+    size = parse_size(text)
+    if size < 1:
+        raise InvalidInputError(
+            f"--payload-size {text} is no size for a payload", "use e.g. 256M (the default)"
+        )
+    return size
+
+
 TimeoutOption = Annotated[
     float,
     typer.Option(
@@ -151,6 +161,7 @@ def build_command(
     from flare.build.target import resolve_target
 
     config = load_config()
+    payload_bytes = _payload_bytes(payload_size)
     target = open_registry(registry, create=check is None)
     progress = BuildProgress()
     if check is not None:
@@ -175,7 +186,7 @@ def build_command(
         ranks=ranks,
         model_id=model_id,
         rehash=rehash,
-        payload_bytes=parse_size(payload_size),
+        payload_bytes=payload_bytes,
         workers=workers,
         rendezvous=rendezvous,
         timeout=timeout,

@@ -25,7 +25,7 @@ from flare.cli_common import (
     progress_bar,
 )
 from flare.config import load_config, parse_duration
-from flare.errors import IntegrityError
+from flare.errors import IntegrityError, InvalidInputError
 from flare.registry.database import UnusableIndexError
 from flare.registry.refs import BadRef, BadRefError
 from flare.registry.registry import Registry, index_database
@@ -52,6 +52,11 @@ def open_registry(
 
     For reindex, an unreadable SQLite index is moved aside (kept, renamed) and a new one made.
     """
+    if location is not None and not location.strip():  # an unset shell variable, most often
+        raise InvalidInputError(
+            f"the registry location {location!r} is empty",
+            "give a path or URL, or leave --registry out for the configured registry",
+        )
     config = load_config()
     where = location or config.registry
     database = index_database(where, config.registry, config.database, config.home)

@@ -180,3 +180,25 @@ def test_a_postgresql_database_that_does_not_exist_says_to_create_it(
     line = one_line(built.stderr)
     assert "the PostgreSQL database no_such_db does not exist on 127.0.0.1:" in line
     assert "createdb no_such_db" in line
+
+
+def test_an_empty_registry_or_payload_size_is_refused_not_taken_for_the_default(
+    run_flare: RunFlare, tmp_path: Path, source: Path
+) -> None:
+    """`--registry ''` (an unset shell variable, most often) would have opened the configured
+    registry, a build publishing where it was not sent; `--payload-size 0` would make every
+    tensor a blob. Both are one line, exit 4, before any work."""
+    for args in (
+        ("registry", "ls", "--registry", ""),
+        ("build", str(source), "--name", "tiny", "--registry", " "),
+        ("registry", "show", "tiny", "--registry", ""),
+    ):
+        done = run_flare(*args)
+        assert done.returncode == 4, (args, done.stderr)
+        assert "is empty; give a path or URL" in one_line(done.stderr)
+    done = run_flare("build", str(source), "--name", "tiny", "--payload-size", "0")
+    assert done.returncode == 4
+    assert one_line(done.stderr) == (
+        "error: --payload-size 0 is no size for a payload; use e.g. 256M (the default)"
+    )
+    assert not (tmp_path / "home" / "registry").exists()
