@@ -3,10 +3,10 @@ and the bodies it answers with (for the OpenAPI document at /openapi.json).
 
 Fields the OpenAI API defines and flare does not implement (n > 1, best_of, penalties,
 logit_bias, suffix, tools and functions, a response format other than text) are refused with
-a clear message unless they ask for nothing, rather than silently ignored (`unimplemented`);
-unknown extra fields are ignored,
-as OpenAI clients send some (user, stream_options) that change nothing here. Types are strict,
-as the OpenAPI document states them: `false` is not a token id, nor `"5"` a max_tokens.
+a clear message unless they ask for nothing, rather than silently ignored (`refused_unless`);
+unknown extra fields are ignored, as OpenAI clients send some (user, stream_options) that
+change nothing here. Types are strict, as the OpenAPI document states them: `false` is not a
+token id, nor `"5"` a max_tokens.
 
 Every string a request carries must be valid Unicode: JSON can spell a lone surrogate
 (`"\\ud800"`), which Python keeps in a str but no tokenizer (and no UTF-8 encoder) takes, so
@@ -57,7 +57,7 @@ def _strings(value: Any) -> list[str]:
 Unicode = AfterValidator(_valid_unicode)
 
 
-def unimplemented(*neutral: Any) -> AfterValidator:
+def refused_unless(*neutral: Any) -> AfterValidator:
     """For a field the OpenAI API defines and flare does not implement: its neutral values
     pass (what a client sends when it asks for nothing), any other is refused, naming them,
     rather than ignored (a `logit_bias` that bans a token, ignored, would answer with it)."""
@@ -98,9 +98,9 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
-    frequency_penalty: Annotated[float | None, unimplemented(0)] = None
-    presence_penalty: Annotated[float | None, unimplemented(0)] = None
-    logit_bias: Annotated[dict[str, float] | None, unimplemented({})] = None
+    frequency_penalty: Annotated[float | None, refused_unless(0)] = None
+    presence_penalty: Annotated[float | None, refused_unless(0)] = None
+    logit_bias: Annotated[dict[str, float] | None, refused_unless({})] = None
 
     @model_validator(mode="after")
     def _stops(self) -> Sampling:
@@ -119,8 +119,8 @@ class CompletionRequest(Sampling):
     prompt: Annotated[str | list[int] | list[str], Unicode]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: Literal[False] = False
-    best_of: Annotated[int | None, unimplemented(1)] = None
-    suffix: Annotated[str | None, unimplemented("")] = None
+    best_of: Annotated[int | None, refused_unless(1)] = None
+    suffix: Annotated[str | None, refused_unless("")] = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> CompletionRequest:
@@ -176,11 +176,11 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: Annotated[list[dict[str, Any]] | None, unimplemented([])] = None
-    tool_choice: Annotated[str | dict[str, Any] | None, unimplemented("none", "auto")] = None
-    functions: Annotated[list[dict[str, Any]] | None, unimplemented([])] = None
-    function_call: Annotated[str | dict[str, Any] | None, unimplemented("none", "auto")] = None
-    response_format: Annotated[dict[str, Any] | None, unimplemented({"type": "text"})] = None
+    tools: Annotated[list[dict[str, Any]] | None, refused_unless([])] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, refused_unless("none", "auto")] = None
+    functions: Annotated[list[dict[str, Any]] | None, refused_unless([])] = None
+    function_call: Annotated[str | dict[str, Any] | None, refused_unless("none", "auto")] = None
+    response_format: Annotated[dict[str, Any] | None, refused_unless({"type": "text"})] = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatRequest:
