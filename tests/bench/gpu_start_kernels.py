@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from gpu_package import flare, start_server
 from gpu_serving import MAX_STREAMS, SHAPES, make_checkpoint
@@ -144,23 +145,27 @@ def spy_timeline(trace: Path) -> dict[str, dict[str, list[float]]]:
     }
 
 
-def gpu_processes(api: int) -> dict[str, float] | str:
-    """The processes holding a CUDA context on a GPU, by NVML (nvidia-smi's count), as MB of
-    GPU memory each, named `api` (the server's API process, which should hold none: its
-    admission reads the free memory through NVML) or `other <pid>` (the engine process)."""
+def gpu_processes(api: int) -> dict[str, Any] | str:
+    """The processes holding a CUDA context on a GPU, by NVML (nvidia-smi's count), with the
+    GPU memory each uses: a server's should be one, its engine's (its admission reads the
+    free memory through NVML, so its API process makes none). NVML may give the host's pids
+    in a container, so the count is the figure; `api` says whether the API process's pid is
+    among those listed."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
     except Exception as exc:  # no NVML here: a CPU run
         return f"not read: {type(exc).__name__}"
-    found = {}
+    found = []
     for index in range(pynvml.nvmlDeviceGetCount()):
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            name = "api" if process.pid == api else f"other {process.pid}"
-            found[name] = round((process.usedGpuMemory or 0) / 1e6, 1)
-    return found
+        found.extend(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+    return {
+        "count": len(found),
+        "used_mb": [round((p.usedGpuMemory or 0) / 1e6, 1) for p in found],
+        "api_listed": any(p.pid == api for p in found),
+    }
 
 
 def bytecode() -> str:
