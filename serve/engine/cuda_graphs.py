@@ -259,11 +259,13 @@ class DecodeGraphs:
 
 
 def settled_free(device: torch.device) -> int:
-    """The device's free memory once its queued work is done and the caching allocator has
-    given back what it holds unused (the weights' read buffers, the last steps' temporaries):
-    taken before and after a set of captures, the difference is what the graphs hold."""
+    """The device's free memory once its queued work is done and the caching allocators have
+    given back what they hold unused (the weights' read buffers, the last steps' temporaries;
+    the pinned host buffers the read staged through, as `torch.cuda.graph` frees them): taken
+    before and after a set of captures, the difference is what the graphs hold."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
+    torch._C._host_emptyCache()
     return torch.cuda.mem_get_info(device)[0]
 
 
@@ -272,7 +274,7 @@ def recording(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None) -> Iter
     """Capture the work the block queues into `graph`, its memory from `pool` (None: a pool
     of its own), on the device's one capture stream (graphs that share a pool must share it),
     the device's queued work done first (the caller waits for it). As `torch.cuda.graph`,
-    less the caching allocator's `empty_cache` before each capture: a start captures a graph
+    less the caching allocators' emptying before each capture: a start captures a graph
     per decode size and prefill shape in a row, each run once just before, and emptied, every
     run's temporaries came from the driver again (vLLM skips it after its first graph for the
     same reason). The caller empties the cache before the captures and after (`settled_free`)."""
