@@ -40,6 +40,10 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
+MAX_WORKERS = 256
+"""The most a `--workers` option takes: each worker is a thread (and its stack), and more than
+this only queue on the same disks and network; 0 or fewer is no worker at all."""
+
 
 def _show_whole(wanted: bool) -> None:
     _tables["whole"] = _tables["whole"] or wanted

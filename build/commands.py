@@ -18,6 +18,7 @@ from rich.progress import Progress, TaskID
 
 from flare.build.target import MAX_CONCURRENCY, PREFILL_CHUNK
 from flare.cli_common import (
+    MAX_WORKERS,
     AcceptOption,
     JsonOption,
     RegistryOption,
@@ -111,7 +112,8 @@ def build_command(
     registry: Annotated[str | None, typer.Option(help="Registry (default: the config's).")] = None,
     rehash: Annotated[bool, typer.Option(help="Hash every source file again.")] = False,
     workers: Annotated[
-        int | None, typer.Option(min=1, help="Files hashed and payloads written at once.")
+        int | None,
+        typer.Option(min=1, max=MAX_WORKERS, help="Files hashed and payloads written at once."),
     ] = None,
     check: Annotated[
         str | None, typer.Option(help="Rebuild REF from its recorded inputs and compare.")
@@ -321,7 +323,9 @@ def join_command(
         typer.Option(help="This host's copy (default: the SOURCE rank 0 was given)."),
     ] = None,
     registry: RegistryOption = None,
-    workers: Annotated[int | None, typer.Option(min=1, help="Payloads written at once.")] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, max=MAX_WORKERS, help="Payloads written at once.")
+    ] = None,
     rehash: Annotated[bool, typer.Option(help="Hash the local checkpoint again.")] = False,
     timeout: TimeoutOption = 300.0,
     accept: AcceptOption = None,

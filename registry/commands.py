@@ -12,6 +12,7 @@ import typer
 from rich.filesize import decimal
 
 from flare.cli_common import (
+    MAX_WORKERS,
     JsonOption,
     NoTruncOption,
     RegistryOption,
@@ -300,7 +301,9 @@ def registry_gc(
 @registry_app.command("verify")
 def registry_verify(
     ref: Annotated[str | None, typer.Argument(help="Package (default: every package).")] = None,
-    workers: Annotated[int | None, typer.Option(help="Blobs hashed at once.")] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, max=MAX_WORKERS, help="Blobs hashed at once.")
+    ] = None,
     signatures: Annotated[
         bool,
         typer.Option("--signatures", help="Also check each package's signature against trust."),
@@ -356,7 +359,9 @@ def registry_copy(
     ref: str,
     to: Annotated[str, typer.Option("--to", help="Destination registry location.")],
     source: Annotated[str | None, typer.Option("--from", help="Source registry.")] = None,
-    workers: Annotated[int | None, typer.Option(help="Blobs copied at once.")] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, max=MAX_WORKERS, help="Blobs copied at once.")
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Copy a package (blobs, index, tags, pins) to another registry; resumable, verified."""

@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from flare.cli_common import AcceptOption, JsonOption, RegistryOption, out, print_done, print_json
+from flare.cli_common import (
+    MAX_WORKERS,
+    AcceptOption,
+    JsonOption,
+    RegistryOption,
+    out,
+    print_done,
+    print_json,
+)
 from flare.config import load_config
 from flare.errors import InvalidInputError, NotFoundError
 from flare.registry.commands import open_registry, signature_verdict
@@ -86,7 +94,9 @@ def _keyless_bundle(
 def verify_command(
     ref: str,
     accept: AcceptOption = None,
-    workers: Annotated[int | None, typer.Option(help="Blobs hashed at once.")] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, max=MAX_WORKERS, help="Blobs hashed at once.")
+    ] = None,
     registry: RegistryOption = None,
     as_json: JsonOption = False,
 ) -> None:

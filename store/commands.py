@@ -13,6 +13,7 @@ import typer
 from rich.filesize import decimal
 
 from flare.cli_common import (
+    MAX_WORKERS,
     JsonOption,
     NoTruncOption,
     RestoreOption,
@@ -164,7 +165,9 @@ def store_verify(
     digests: Annotated[
         list[str] | None, typer.Argument(help="Digests to check (default: every blob).")
     ] = None,
-    workers: Annotated[int | None, typer.Option(help="Blobs hashed at once.")] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, max=MAX_WORKERS, help="Blobs hashed at once.")
+    ] = None,
     dry_run: VerifyDryRunOption = False,
     restore: RestoreOption = False,
     store: StoreOption = None,

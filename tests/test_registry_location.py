@@ -202,3 +202,20 @@ def test_an_empty_registry_or_payload_size_is_refused_not_taken_for_the_default(
         "error: --payload-size 0 is no size for a payload; use e.g. 256M (the default)"
     )
     assert not (tmp_path / "home" / "registry").exists()
+
+
+def test_a_workers_count_outside_its_range_is_a_usage_error(
+    run_flare: RunFlare, source: Path
+) -> None:
+    """`--workers 0` ran with the default; `--workers 100000` would have started as many
+    threads as there were blobs. Both are refused (exit 2) by every command that takes it."""
+    for command in (
+        ("registry", "copy", "tiny", "--to", "elsewhere"),
+        ("registry", "verify"),
+        ("store", "verify"),
+        ("build", str(source), "--name", "tiny"),
+    ):
+        for workers in ("0", "100000"):
+            done = run_flare(*command, "--workers", workers)
+            assert done.returncode == 2, (command, workers, done.stderr)
+            assert "is not in the range 1<=x<=256" in done.stderr, done.stderr
