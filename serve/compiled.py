@@ -205,6 +205,18 @@ class CompiledForward:
         for kind, data in self._compiled.items():
             precompiled.save(data, folder, kind)
 
+    def trust_guards(self) -> None:
+        """Call the ahead-of-time graphs without checking their guards first, once a
+        warm-up has run each of them on every layer (a refused guard raises there; nothing
+        recompiles): the check takes tens of microseconds a layer call on the H200's host,
+        and the calls after the warm-up are the graphs' captures and the steps too long for
+        a graph, on the same tensors of other lengths (a length no guard checks)."""
+        from flare.serve import precompiled
+
+        for graph in self._graphs.values():
+            if isinstance(graph, precompiled.AOTCompiledFunction):
+                graph.disable_guard_check()
+
     def _load(self, folder: Path) -> None:
         """Load the graphs saved in `folder`; none where one does not load here (a torch,
         Python or GPU other than the build's): the forward is traced instead, and says why."""

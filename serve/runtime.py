@@ -536,6 +536,7 @@ def _start_forward(
     )
     started = time.perf_counter()
     warm_up(runner, blocks)
+    forward.trust_guards()
     if prepared.forward == "start":  # a later start of this package on this host loads them
         forward.save(prepared.folder / PRECOMPILED)
     report.warm_up = time.perf_counter() - started

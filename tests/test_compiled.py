@@ -228,7 +228,9 @@ def test_a_deeper_model_compiles_to_the_same_three_graphs_and_answers_as_eager(
     later layer runs, the logits'), not one per layer, and greedy decoding through them gives
     the eager forward's tokens; varying batches compile nothing more. Saved and loaded in a
     new forward (what a start does with a package's), the graphs trace nothing and give the
-    same tokens."""
+    same tokens, and again once their guards are trusted (not checked) after a warm-up."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
     from flare.serve import compilations
     from flare.serve.compiled import CompiledForward, warm_up
     from flare.serve.engine.runner import EagerForward, ModelRunner
@@ -262,6 +264,14 @@ def test_a_deeper_model_compiles_to_the_same_three_graphs_and_answers_as_eager(
     assert (made.traced, made.compiled, made.loaded) == (0, 0, 3)
     loaded.save(tmp_path / "again")  # what was loaded is not written again
     assert not (tmp_path / "again").exists()
+
+    def refused(*args: Any) -> bool:
+        raise AssertionError("a trusted graph's guards were checked")
+
+    loaded.trust_guards()  # what a start does after its warm-up
+    monkeypatch.setattr(AOTCompiledFunction, "guard_check", refused)
+    assert _greedy(ModelRunner(model, attention, 16, cpu, loaded), blocks, PROMPTS) == expected
+    assert (compilations.snapshot() - before).traced == 0
 
 
 def test_saved_graphs_whose_guards_refuse_the_model_are_compiled_anew_and_say_why(

@@ -18,7 +18,7 @@ from test_runtime import build_package
 
 from flare.build.tiny import make_tiny_llama
 from flare.serve.engine.block_manager import BlockManager
-from flare.serve.engine.cuda_graphs import padded_to
+from flare.serve.engine.cuda_graphs import captured, padded_to
 from flare.serve.engine.flashinfer_attention import page_counts, page_table
 from flare.serve.engine.runner import FreshRows, ModelRunner, StepInput, StepLogits
 from flare.serve.engine.sampler import row_max
@@ -160,6 +160,27 @@ def test_graph_decode_gives_the_logits_of_the_kernel_by_kernel_decode(tmp_path: 
     assert {rows for rows, _ in compared} >= {5, 3, 1}
     assert max(diff for _, diff in compared) <= 2e-2, compared
     assert agreed and all(agreed)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_capture_without_a_run_first_that_fails_is_made_again_after_one() -> None:
+    """A start captures most graphs without running their step first (`captured`); one
+    whose capture raises (here a wait for the device, which no capture allows) is run once,
+    then captured again, and its graph replays the step's work on new inputs."""
+    x = torch.ones(4, device="cuda")
+    capturing: list[bool] = []
+
+    def step() -> torch.Tensor:
+        capturing.append(torch.cuda.is_current_stream_capturing())
+        if len(capturing) == 1:
+            torch.cuda.synchronize()
+        return x * 2
+
+    graph, out = captured(step, None, warm=False)
+    assert capturing == [True, False, True]
+    x.fill_(3)
+    graph.replay()
+    assert out.tolist() == [6.0] * 4
 
 
 def kernel_by_kernel_then_replayed(

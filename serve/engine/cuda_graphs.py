@@ -37,9 +37,10 @@ read before the step after the next is launched). Prefill steps have graphs of t
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -156,8 +157,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> GraphReport:
-        """Capture every size, largest first, into one memory pool; each size's step is run
-        once before its capture (kernels loaded, cuBLAS's workspace made)."""
+        """Capture every size, largest first, into one memory pool; the first size's step
+        is run once before its capture, the others' are not (`captured`)."""
         device = self._last.device
         started = time.perf_counter()
         free = settled_free(device)
@@ -167,12 +168,12 @@ class DecodeGraphs:
             self.max_batch, spec.num_kv_heads, group, spec.head_dim, device
         )
         for size in reversed(self.sizes):
-            self._graphs[size] = self._capture(size, self.pool)
+            self._graphs[size] = self._capture(size, self.pool, warm=not self._graphs)
             self.pool = self._graphs[size].graph.pool()
         taken = free - settled_free(device)
         return GraphReport(self.sizes, time.perf_counter() - started, max(0, taken))
 
-    def _capture(self, size: int, pool: tuple[int, int] | None) -> _Graph:
+    def _capture(self, size: int, pool: tuple[int, int] | None, warm: bool) -> _Graph:
         staged, top = self._staged, self.max_batch
         table = (
             staged[STAGED * top : STAGED * top + size + 1],
@@ -183,11 +184,7 @@ class DecodeGraphs:
         attention = GraphDecodeAttention(self.attention, slots, table, self._workspace)
         empty = StepInput.empty()
         self._fill(padded_to(empty, size, self.pad_block, self.block_size), size)
-        self._step(size, attention)
-        torch.cuda.synchronize(self._last.device)
-        graph = torch.cuda.CUDAGraph()
-        with recording(graph, pool):
-            logits, maxima = self._step(size, attention)
+        graph, (logits, maxima) = captured(lambda: self._step(size, attention), pool, warm)
         return _Graph(graph, logits, maxima)
 
     def _step(
@@ -267,6 +264,34 @@ def settled_free(device: torch.device) -> int:
     torch.cuda.empty_cache()
     torch._C._host_emptyCache()
     return torch.cuda.mem_get_info(device)[0]
+
+
+T = TypeVar("T")
+
+
+def captured(
+    step: Callable[[], T], pool: tuple[int, int] | None, warm: bool
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """A graph of `step`'s work (its memory from `pool`) and what `step` returned as it was
+    captured; with `warm`, `step` is run once first and the device's work awaited.
+
+    A start captures a set of graphs (decode sizes, prefill shapes) after the forward's
+    warm-up: the first of a set is run before its capture, for what a new size may do once
+    (cuBLAS loads the kernels of a larger product, the capture stream's workspace is made);
+    the rest are captured without a run, as vLLM captures (no warm-up run a size by default),
+    which halves the forward's calls in the capture and leaves out the GPU work of each
+    prefill shape's run. A capture without a run that fails is made again after one."""
+    if warm:
+        step()
+        torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with recording(graph, pool):
+            return graph, step()
+    except RuntimeError:
+        if warm:
+            raise
+    return captured(step, pool, warm=True)
 
 
 @contextmanager

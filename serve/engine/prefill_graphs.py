@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flare.serve.engine.cuda_graphs import STAGED, GraphReport, recording, settled_free
+from flare.serve.engine.cuda_graphs import STAGED, GraphReport, captured, settled_free
 from flare.serve.engine.device_io import settle
 from flare.serve.engine.flashinfer_attention import (
     FlashInferGraphPrefill,
@@ -174,13 +174,14 @@ class PrefillGraphs:
     @torch.inference_mode()
     def capture(self, pool: tuple[int, int] | None = None) -> GraphReport:
         """Capture every shape, largest first, into `pool` (the decode graphs', so the two
-        share their memory: one step runs at a time); each shape's step is run once before
-        its capture (cuBLAS's workspace made, FlashInfer's wrapper planned)."""
+        share their memory: one step runs at a time); the first shape's step is run once
+        before its capture, the others' are not (`captured`). Each shape's FlashInfer
+        wrapper is planned before its capture, its buffers made with it."""
         device = self._last.device
         started = time.perf_counter()
         free = settled_free(device)
         for shape in self.shapes:
-            self._graphs[shape] = self._capture(shape, pool)
+            self._graphs[shape] = self._capture(shape, pool, warm=not self._graphs)
             pool = self._graphs[shape].graph.pool()
         taken = free - settled_free(device)
         tokens = sorted({t for _, t in self.shapes})
@@ -192,15 +193,11 @@ class PrefillGraphs:
             sequences=sorted({s for s, _ in self.shapes}),
         )
 
-    def _capture(self, shape: tuple[int, int], pool: tuple[int, int] | None) -> _Graph:
+    def _capture(self, shape: tuple[int, int], pool: tuple[int, int] | None, warm: bool) -> _Graph:
         attention = self._wrapper(shape[0])
         empty = StepInput.empty()
         self._fill(padded_prefill(empty, *shape, self.pad_block, self.block_size), attention)
-        self._step(shape)
-        torch.cuda.synchronize(self._last.device)
-        graph = torch.cuda.CUDAGraph()
-        with recording(graph, pool):
-            logits = self._step(shape)
+        graph, logits = captured(lambda: self._step(shape), pool, warm)
         return _Graph(graph, logits)
 
     def _wrapper(self, sequences: int) -> FlashInferGraphPrefill:
