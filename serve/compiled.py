@@ -220,8 +220,9 @@ class CompiledForward:
     def _load(self, folder: Path) -> None:
         """Load the graphs saved in `folder`; none where one does not load here (a torch,
         Python or GPU other than the build's): the forward is traced instead, and says why."""
-        from flare.serve import precompiled
+        from flare.serve import install_hashes, precompiled
 
+        install_hashes.wait()  # loading a graph loads its kernels, which needs Triton's hash
         graphs = {}
         try:
             for kind in KINDS:

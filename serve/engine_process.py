@@ -292,10 +292,11 @@ def _cublas_handle() -> None:
 
 
 def _import_flashinfer() -> None:
-    from flare.serve import flashinfer_modules
+    from flare.serve import flashinfer_modules, install_hashes
 
     if flashinfer_modules.available():
         import flashinfer  # noqa: F401
+    install_hashes.start()
 
 
 def _import_dynamo() -> None:
@@ -309,24 +310,6 @@ def _import_inductor() -> None:
 
     if AHEAD_OF_TIME:
         from flare.serve import precompiled  # noqa: F401
-    threading.Thread(target=_hash_installs, name="flare-install-keys", daemon=True).start()
-
-
-def _hash_installs() -> None:
-    """Inductor's and Triton's hashes of their own installs, computed once a process, when
-    the first compiled graph or Triton kernel is loaded: torch's Python sources (0.2 s) and
-    Triton's, with its 415 MB library (0.4 s), on the main thread of every start, on the
-    path to ready (py-spy of an 8B start on the H200: 0.7 s of loading the package's graphs).
-    Here on a thread of their own beside the rest, mostly outside the GIL (hashlib lets it
-    go for large buffers); both are cached where they are made. Started once Inductor is
-    imported, which imports every module the two hashes walk: the thread imports none."""
-    from torch._inductor.codecache import torch_key
-
-    with contextlib.suppress(ImportError):  # no Triton (a CPU build of torch): none loaded
-        from triton.runtime.cache import triton_key
-
-        triton_key()
-    torch_key()
 
 
 class _EngineSide:

@@ -9,7 +9,6 @@ the same with the weights read on a thread while its caller goes on.
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +18,7 @@ from torch import nn
 
 from flare.errors import FlareError, InvalidInputError
 from flare.model_sizes import LAYOUTS, check_sizes, manifest_shapes
+from flare.serve import switching
 from flare.serve.models.bert import BertEmbedder, Pooling
 from flare.serve.models.files import PackageFiles, staging_for
 from flare.serve.models.fused import check_layout
@@ -90,18 +90,18 @@ class WeightsLoading:
     whose results it drops: the values are not yet the weights) and `wait` before anything
     counts. The parameters are written in place (their addresses do not change), on a CUDA
     stream of the thread's own that is drained before the thread ends. While it runs, the
-    interpreter switches threads every SWITCH_S rather than every 5 ms: the load takes the
-    GIL back between its reads and copies, which a busy main thread (Dynamo tracing) would
-    otherwise hold for whole switch intervals."""
-
-    SWITCH_S = 1e-4
+    interpreter switches threads quickly (serve/switching.py): the load takes the GIL back
+    between its reads and copies, which a busy main thread (imports) would otherwise hold
+    for whole switch intervals."""
 
     def __init__(
         self, model: nn.Module, files: PackageFiles, device: torch.device, rank: int
     ) -> None:
         self._error: BaseException | None = None
-        self._switch = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch, self.SWITCH_S))
+        self._quick = True
+        """Whether the switch interval is still short for this load (`wait` may be called
+        more than once)."""
+        switching.quicken()
         self._thread = threading.Thread(
             target=self._load, args=(model, files, device, rank), name=WEIGHTS_THREAD
         )
@@ -121,7 +121,9 @@ class WeightsLoading:
     def wait(self) -> None:
         """Return once every weight is in place, or raise what stopped the load."""
         self._thread.join()
-        sys.setswitchinterval(self._switch)
+        if self._quick:
+            self._quick = False
+            switching.relax()
         if self._error is not None:
             raise self._error
 
