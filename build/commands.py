@@ -164,6 +164,8 @@ def build_command(
 
     config = load_config()
     payload_bytes = _payload_bytes(payload_size)
+    if check is None:
+        _check_request(source, name, tag)
     target = open_registry(registry, create=check is None)
     progress = BuildProgress()
     if check is not None:
@@ -179,8 +181,7 @@ def build_command(
             )
         _print_check(check, checked, as_json)
         return
-    if source is None or name is None:
-        raise InvalidInputError("flare build needs SOURCE and --name", "see flare build --help")
+    assert source is not None and name is not None  # _check_request
     request = BuildRequest(
         source=source,
         name=name,
@@ -205,6 +206,17 @@ def build_command(
         sign = None if no_sign else configured_signer(config)
         result = Build(request, target, progress, sign=sign).run()
     print_build(result, as_json)
+
+
+def _check_request(source: str | None, name: str | None, tag: str) -> None:
+    """Refuse a build that names no source, or no or a bad name or tag, before the registry is
+    opened (a missing one would be created for nothing)."""
+    from flare.store.names import check_name
+
+    if source is None or name is None:
+        raise InvalidInputError("flare build needs SOURCE and --name", "see flare build --help")
+    check_name(name)
+    check_name(tag, "tag")
 
 
 def is_source(ref: str) -> bool:

@@ -204,6 +204,23 @@ def test_an_empty_registry_or_payload_size_is_refused_not_taken_for_the_default(
     assert not (tmp_path / "home" / "registry").exists()
 
 
+def test_a_build_without_a_good_name_or_tag_creates_no_registry(
+    run_flare: RunFlare, tmp_path: Path, source: Path
+) -> None:
+    """A build refused for its name, its tag, or a missing --name says so in one line
+    (exit 4) before the registry is opened: a registry path that did not exist is not made."""
+    fresh = tmp_path / "fresh-registry"
+    for args, says in (
+        (("--name", "Bad Name"), "bad package name 'Bad Name'"),
+        (("--name", "tiny", "--tag", "x/y"), "bad tag 'x/y'"),
+        ((), "flare build needs SOURCE and --name"),
+    ):
+        done = run_flare("build", str(source), *args, "--registry", str(fresh))
+        assert done.returncode == 4, (args, done.stderr)
+        assert says in one_line(done.stderr)
+        assert not fresh.exists()
+
+
 def test_a_workers_count_outside_its_range_is_a_usage_error(
     run_flare: RunFlare, source: Path
 ) -> None:
