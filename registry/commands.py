@@ -53,11 +53,8 @@ def open_registry(
 
     For reindex, an unreadable SQLite index is moved aside (kept, renamed) and a new one made.
     """
-    if location is not None and not location.strip():  # an unset shell variable, most often
-        raise InvalidInputError(
-            f"the registry location {location!r} is empty",
-            "give a path or URL, or leave --registry out for the configured registry",
-        )
+    if location is not None:
+        check_location(location, "leave --registry out for the configured registry")
     config = load_config()
     where = location or config.registry
     database = index_database(where, config.registry, config.database, config.home)
@@ -74,6 +71,15 @@ def open_registry(
     for note in opened.notes:
         err.print(note, markup=False)
     return opened
+
+
+def check_location(location: str, otherwise: str) -> None:
+    """Refuse an empty registry location (an unset shell variable, most often), saying what
+    else to do."""
+    if not location.strip():
+        raise InvalidInputError(
+            f"the registry location {location!r} is empty", f"give a path or URL, or {otherwise}"
+        )
 
 
 def signature_verdict(
@@ -365,6 +371,7 @@ def registry_copy(
     as_json: JsonOption = False,
 ) -> None:
     """Copy a package (blobs, index, tags, pins) to another registry; resumable, verified."""
+    check_location(to, "name the registry to copy to")  # before the source is opened
     origin, dest = open_registry(source), open_registry(to, create=True)
     _, _, manifest = origin.manifest(ref)
     with progress_bar("copy", manifest.total_size()) as advance:

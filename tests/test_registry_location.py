@@ -196,6 +196,9 @@ def test_an_empty_registry_or_payload_size_is_refused_not_taken_for_the_default(
         done = run_flare(*args)
         assert done.returncode == 4, (args, done.stderr)
         assert "is empty; give a path or URL" in one_line(done.stderr)
+    done = run_flare("registry", "copy", "no-such-package", "--to", "")  # not "not found"
+    assert done.returncode == 4, done.stderr
+    assert "'' is empty; give a path or URL, or name the registry to copy to" in done.stderr
     done = run_flare("build", str(source), "--name", "tiny", "--payload-size", "0")
     assert done.returncode == 4
     assert one_line(done.stderr) == (
