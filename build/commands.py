@@ -164,11 +164,9 @@ def build_command(
 
     config = load_config()
     payload_bytes = _payload_bytes(payload_size)
-    if check is None:
-        _check_request(source, name, tag)
-    target = open_registry(registry, create=check is None)
     progress = BuildProgress()
     if check is not None:
+        target = open_registry(registry)
         with progress.bar:
             checked = check_build(
                 target,
@@ -181,7 +179,8 @@ def build_command(
             )
         _print_check(check, checked, as_json)
         return
-    assert source is not None and name is not None  # _check_request
+    if source is None or name is None:
+        raise InvalidInputError("flare build needs SOURCE and --name", "see flare build --help")
     request = BuildRequest(
         source=source,
         name=name,
@@ -201,22 +200,12 @@ def build_command(
         prefill_chunk=prefill_chunk,
         kernel_cache=config["paths.kernel_cache"],
         retune=retune,
-    )
+    )  # checked as it is made: before the registry is opened (and created)
+    target = open_registry(registry, create=True)
     with progress.bar:
         sign = None if no_sign else configured_signer(config)
         result = Build(request, target, progress, sign=sign).run()
     print_build(result, as_json)
-
-
-def _check_request(source: str | None, name: str | None, tag: str) -> None:
-    """Refuse a build that names no source, or no or a bad name or tag, before the registry is
-    opened (a missing one would be created for nothing)."""
-    from flare.store.names import check_name
-
-    if source is None or name is None:
-        raise InvalidInputError("flare build needs SOURCE and --name", "see flare build --help")
-    check_name(name)
-    check_name(tag, "tag")
 
 
 def is_source(ref: str) -> bool:

@@ -99,6 +99,17 @@ class BuildRequest:
     records: tuple[dict[str, Any], ...] | None = None
     """Tuning records to build with instead of tuning (--check takes the package's own)."""
 
+    def __post_init__(self) -> None:
+        """Refuse a request no build can carry out, as it is made: before the registry is
+        opened (`flare build` would create a missing one for nothing) or any work is done."""
+        check_name(self.name)
+        check_name(self.tag, "tag")
+        if self.model_id is not None and not 0 < len(self.model_id) <= 256:
+            raise InvalidInputError("--model-id must be 1 to 256 characters", "shorten it")
+        if self.rendezvous is not None and self.ranks < 2:
+            raise InvalidInputError("--rendezvous needs --ranks 2 or more", "add --ranks N")
+        check_runtime_options(self.target, self.max_concurrency, self.prefill_chunk)
+
     def options(self) -> dict[str, Any]:
         """The options that shape the package, recorded in its manifest."""
         return {
@@ -163,13 +174,6 @@ class Build:
         reuse: bool = True,
         sign: Signer | None = None,
     ) -> None:
-        check_name(request.name)
-        check_name(request.tag, "tag")
-        if request.model_id is not None and not 0 < len(request.model_id) <= 256:
-            raise InvalidInputError("--model-id must be 1 to 256 characters", "shorten it")
-        if request.rendezvous is not None and request.ranks < 2:
-            raise InvalidInputError("--rendezvous needs --ranks 2 or more", "add --ranks N")
-        check_runtime_options(request.target, request.max_concurrency, request.prefill_chunk)
         self.request = request
         self.registry = registry
         self.store = registry.store

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flare.errors import FlareError
+from flare.serve import install_hashes
 from flare.serve.heap import freeze_heap
 from flare.serve.thread_names import SENDER_THREAD, name_os_thread
 
@@ -264,7 +265,8 @@ def make_context(asked: str | None) -> str | None:
 
 def backend_imports(device: str | None) -> list[Callable[[], None]]:
     """What loading a generating package needs beyond the weights' read, in steps: on CUDA
-    cuBLAS's handle and FlashInfer's import; Dynamo's and Inductor's imports (and the
+    cuBLAS's handle, FlashInfer's import and Triton's install hash (begun on a thread of its
+    own, which imports nothing: serve/install_hashes.py); Dynamo's and Inductor's imports (and the
     precompiled graphs' loader). Each used to run after the package was known, on the path to
     ready (docs/performance.md). `engine_main` runs them while the pull goes on, looking for
     the package between steps (Dynamo's import alone takes over a second on the H200's host):
@@ -277,6 +279,7 @@ def backend_imports(device: str | None) -> list[Callable[[], None]]:
     if device == "cuda":
         steps.append(_cublas_handle)
         steps.append(_import_flashinfer)
+        steps.append(install_hashes.start)  # on a thread: the graphs' load waits for it
     return [*steps, _import_dynamo, _import_inductor]
 
 
@@ -292,11 +295,10 @@ def _cublas_handle() -> None:
 
 
 def _import_flashinfer() -> None:
-    from flare.serve import flashinfer_modules, install_hashes
+    from flare.serve import flashinfer_modules
 
     if flashinfer_modules.available():
         import flashinfer  # noqa: F401
-    install_hashes.start()
 
 
 def _import_dynamo() -> None:
