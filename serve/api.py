@@ -266,6 +266,7 @@ class _Routes:
         return self._model_entry()
 
     def _model_entry(self) -> dict[str, Any]:
+        defaults = self.runtime.text.sampling_defaults
         return {
             "id": self.package.name,
             "object": "model",
@@ -273,7 +274,7 @@ class _Routes:
             "owned_by": self.package.publisher or "unsigned",
             "digest": self.package.digest,
             "context_length": self.runtime.context_length,
-            "sampling": {"defaults": self.runtime.sampling_defaults, "ranges": SAMPLING_RANGES},
+            "sampling": {"defaults": defaults, "ranges": SAMPLING_RANGES},
         }
 
     def _not_served(self, model: str) -> ApiError:
@@ -343,7 +344,7 @@ class _Routes:
                 f"{context}; ask for at most {context - len(ids)}",
                 param="max_tokens",
             )
-        defaults = self.runtime.sampling_defaults
+        defaults = self.runtime.text.sampling_defaults
         return SamplingParams(
             max_tokens=limit,
             temperature=_pick(body.temperature, defaults.get("temperature"), 1.0),

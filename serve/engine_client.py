@@ -32,7 +32,9 @@ from flare.serve.engine_process import (
     Ready,
     ends_request,
 )
+from flare.serve.heap import freeze_heap
 from flare.serve.models.files import PackageFiles
+from flare.serve.package_text import PackageText, read_text
 from flare.serve.runtime import Runtime, SamplingParams, token_budget
 from flare.serve.thread_names import READER_THREAD, name_os_thread
 
@@ -43,12 +45,18 @@ CALL_TIMEOUT_S = 30.0
 
 def start_engine(spec: EngineSpec, package: PackageFiles, engine: EngineProcess) -> EngineClient:
     """Have `engine` load the package and wait until it has; its load error is raised here as
-    the flare error it was. `package` is the same package, read here for the tokenizer, chat
-    template and settings the API needs."""
+    the flare error it was. `package` is the same package, whose text side (tokenizer, chat
+    template, settings, the prompt bound) the API reads here while the engine loads: read
+    after, it held the ready line back (serve/package_text.py). A package whose text side is
+    malformed is refused at once, and the engine stopped."""
     engine.taken = True
     ours, process = engine.conn, engine.process
     try:
         ours.send(("load", spec))
+        text = read_text(package)
+        if text.chars_per_token is None:
+            log.info("%s's tokenizer gives no prompt length bound", spec.manifest.name)
+        freeze_heap()  # start-up's objects: the freeze once the app is made walks the rest only
         kind, value = ours.recv()
     except (EOFError, OSError):
         process.join()
@@ -57,13 +65,14 @@ def start_engine(spec: EngineSpec, package: PackageFiles, engine: EngineProcess)
             f"{spec.manifest.name}",
             "see the messages above; out of memory is the usual cause",
         ) from None
-    except BaseException:  # interrupted while it loads: it ignores signals, so stop it here
+    except BaseException:  # interrupted, or a malformed package: it ignores signals, so stop it
         process.kill()
+        process.join()
         raise
     if kind == "failed":
         process.join()
         raise value.error()
-    return EngineClient(process, ours, package, value)
+    return EngineClient(process, ours, package, value, text)
 
 
 class EngineClient(Runtime):
@@ -73,9 +82,14 @@ class EngineClient(Runtime):
     kind = "generate"
 
     def __init__(
-        self, process: BaseProcess, conn: Connection, package: PackageFiles, ready: Ready
+        self,
+        process: BaseProcess,
+        conn: Connection,
+        package: PackageFiles,
+        ready: Ready,
+        text: PackageText,
     ) -> None:
-        super().__init__(package, ready.context_length)
+        super().__init__(package, ready.context_length, text)
         package.weights_read = ready.weights_read
         self.vocab_size = ready.vocab_size
         self.attention = ready.attention

@@ -8,22 +8,17 @@ The HTTP API codes against this module only.
 
 from __future__ import annotations
 
-import datetime
-import json
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from torch import nn
 
-from flare.errors import InvalidInputError, NoSpaceError, NotFoundError
+from flare.errors import InvalidInputError, NoSpaceError
 from flare.serve import compilations, flashinfer_modules
 from flare.serve.artifacts import RuntimeArtifacts, StartReport, runtime_artifacts
 from flare.serve.compilations import Compilations
@@ -49,6 +44,7 @@ from flare.serve.memory_plan import (
 )
 from flare.serve.models import WeightsLoading, linear, model_kind, start_model
 from flare.serve.models.files import PackageFiles, Quarantine
+from flare.serve.package_text import PackageText, read_text_beside
 from flare.serve.rank_group import LeaderRunner, RankGroup
 from flare.serve.truncation import Truncation
 from flare.store.package import Manifest
@@ -129,6 +125,7 @@ def load_runtime(
         )
     package = PackageFiles(manifest, files, quarantine)
     kind = model_kind(package)
+    reading = read_text_beside(package)
     target = torch.device(device)
     if group is not None:
         prepared = RuntimeArtifacts("eager", None, why="tensor-parallel ranks run eagerly")
@@ -143,12 +140,13 @@ def load_runtime(
             beside_read()
         if kind == "embed":
             loading.wait()
-            runtime, kv = EmbedRuntime(package, model), None
+            runtime, kv = EmbedRuntime(package, reading.result(), model), None
         else:
             kv = _kv_sizing(model, target, dtype, memory_reserve, kv_cache_tokens)
             ranks = (group, on_group_failure) if group is not None else None
             runtime = GenerateRuntime(
                 package,
+                reading.result(),
                 model,
                 target,
                 dtype,
@@ -215,33 +213,16 @@ class Runtime:
     """Called, from any thread, once the runtime can serve no more: the server stops on it
     (serve/server.py) and exits non-zero, so that a supervisor starts it again."""
 
-    def __init__(self, package: PackageFiles, context_length: int) -> None:
+    def __init__(self, package: PackageFiles, context_length: int, text: PackageText) -> None:
         self.package = package
         self.model_name = package.manifest.name
         self.context_length = context_length
-        self.tokenizer = _tokenizer(package)
-        self.eos_token_ids = _eos_token_ids(package, self.tokenizer)
-        self.sampling_defaults = _sampling_defaults(package)
-        self._chat_template = _chat_template(package)
+        self.text = text
 
-    def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str:
-        """The prompt text for chat messages, by the package's own chat template."""
-        if self._chat_template is None:
-            raise InvalidInputError(
-                f"package {self.model_name} has no chat template", "use the completions API"
-            )
-        settings = self.package.json("tokenizer_config.json") or {}
-        try:
-            return self._chat_template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=_token_text(settings.get("bos_token")),
-                eos_token=_token_text(settings.get("eos_token")),
-            )
-        except TemplateError as exc:
-            raise InvalidInputError(f"the chat template refused these messages: {exc}") from exc
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The package's tokenizer (its text side's)."""
+        return self.text.tokenizer
 
     def start(self) -> None:
         """Start serving (a no-op for runtimes without a background loop)."""
@@ -283,6 +264,7 @@ class GenerateRuntime(Runtime):
     def __init__(
         self,
         package: PackageFiles,
+        text: PackageText,
         model: nn.Module,
         device: torch.device,
         dtype: torch.dtype,
@@ -331,7 +313,7 @@ class GenerateRuntime(Runtime):
         if not isinstance(graphs, FlashInferPagedAttention):  # graphs replay its kernels only
             graphs = None
         usable = num_blocks - 1 if graphs is not None else num_blocks  # one block pads graphs
-        super().__init__(package, min(model.context_length, usable * block))
+        super().__init__(package, min(model.context_length, usable * block), text)
         options = package.manifest.options
         max_concurrency = int(options.get("max_concurrency", MAX_NUM_SEQS))
         blocks = BlockManager(usable, block, reuse_prefixes=not batch_invariant)
@@ -365,7 +347,7 @@ class GenerateRuntime(Runtime):
             max(batched_tokens, self.context_length),
             prefill_alone=batch_invariant,
         )
-        self.engine = Engine(runner, scheduler, self.tokenizer, self.eos_token_ids)
+        self.engine = Engine(runner, scheduler, text.tokenizer, text.eos_token_ids)
         self._ready = compilations.snapshot()
 
     def _capture_graphs(
@@ -462,13 +444,13 @@ class EmbedRuntime(Runtime):
 
     kind = "embed"
 
-    def __init__(self, package: PackageFiles, model: nn.Module) -> None:
+    def __init__(self, package: PackageFiles, text: PackageText, model: nn.Module) -> None:
         settings = package.json("sentence_bert_config.json") or {}
         length = settings.get("max_seq_length") or model.context_length
         if not isinstance(length, int) or length < 1:
             problem = f"has max_seq_length {length!r}, not a positive integer"
             raise package.malformed("sentence_bert_config.json", problem)
-        super().__init__(package, length)
+        super().__init__(package, length, text)
         self.tokenizer.no_padding()
         self.tokenizer.no_truncation()
         self.truncation = Truncation(self.tokenizer, length)
@@ -637,84 +619,3 @@ def _memory_plan(
         free=free,
         ranks=ranks,
     )
-
-
-def _tokenizer(package: PackageFiles) -> Tokenizer:
-    """The fast tokenizer, from the checked bytes of tokenizer.json."""
-    text = package.text("tokenizer.json")
-    if text is None:
-        raise NotFoundError(
-            f"package {package.manifest.name} has no tokenizer.json",
-            "rebuild it from a checkpoint with a fast tokenizer",
-        )
-    try:
-        return Tokenizer.from_str(text)
-    except Exception as exc:  # the tokenizers library raises plain Exception for bad input
-        raise package.malformed("tokenizer.json", f"is not a tokenizer ({exc})") from None
-
-
-def _eos_token_ids(package: PackageFiles, tokenizer: Tokenizer) -> frozenset[int]:
-    """End-of-sequence ids: generation_config.json's (else config.json's) and the
-    tokenizer's eos token, as most servers take them."""
-    generation = package.json("generation_config.json") or {}
-    config = package.json("config.json") or {}
-    source = "generation_config.json" if "eos_token_id" in generation else "config.json"
-    listed = generation.get("eos_token_id", config.get("eos_token_id"))
-    ids = set(listed if isinstance(listed, list) else [listed] if listed is not None else [])
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise package.malformed(source, f"has eos_token_id {listed!r}, which is not token ids")
-    settings = package.json("tokenizer_config.json") or {}
-    eos = _token_text(settings.get("eos_token"))
-    if isinstance(eos, str) and tokenizer.token_to_id(eos) is not None:
-        ids.add(tokenizer.token_to_id(eos))
-    return frozenset(ids)
-
-
-def _sampling_defaults(package: PackageFiles) -> dict[str, Any]:
-    """The publisher's recommended settings, to advertise (requests are never forced)."""
-    generation = package.json("generation_config.json") or {}
-    return {k: generation[k] for k in ("temperature", "top_p", "top_k") if k in generation}
-
-
-def _token_text(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: text, or {"content": text}."""
-    return value.get("content") if isinstance(value, dict) else value
-
-
-def _chat_template(package: PackageFiles) -> Any:
-    """The compiled chat template: chat_template.jinja, else tokenizer_config.json's."""
-    path = "chat_template.jinja"
-    source = package.text(path)
-    if source is None:
-        path = "tokenizer_config.json"
-        source = _template_in_settings(package.json(path) or {})
-    try:
-        return None if source is None else _jinja().from_string(source)
-    except TemplateError as exc:  # a syntax error: the template can render nothing
-        problem = f"holds a chat template that does not parse ({exc})"
-        raise package.malformed(path, problem) from None
-
-
-def _template_in_settings(settings: dict[str, Any]) -> str | None:
-    template = settings.get("chat_template")
-    if isinstance(template, list):  # named templates: take the default one
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
-
-
-def _jinja() -> ImmutableSandboxedEnvironment:
-    """The sandbox Hugging Face renders chat templates in, with the helpers they use."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(
-        value, ensure_ascii=False, indent=indent
-    )
-    env.globals["raise_exception"] = _raise_template_error
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env
-
-
-def _raise_template_error(message: str) -> None:
-    raise TemplateError(message)

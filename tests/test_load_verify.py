@@ -275,6 +275,24 @@ def test_a_signed_manifest_that_lies_about_a_part_is_refused(host: Host, lie: st
     assert host.quarantine() == quarantined  # the blobs are sound: nothing is moved
 
 
+@pytest.mark.parametrize("lie", ["tokenizer-is-chat-template", "eos-not-a-token-id"])
+def test_a_lie_in_the_text_side_reaches_load_runtimes_caller(host: Host, lie: str) -> None:
+    """`flare serve` finds these in its API process while the engine loads; the engine's own
+    read runs on a thread beside the weights' (serve/package_text.py), and what it raises
+    there must reach `load_runtime`'s caller as the same error, not hang or pass."""
+    from flare.errors import FlareError
+    from flare.serve.runtime import load_runtime
+
+    change, expected = LIES[lie]
+    digest = host.publish_lie(lie, lambda m: change(host, m))
+    manifest = decode_index(host.registry_blob(digest).read_bytes(), "index")
+    files = {str(d): host.registry_blob(str(d)) for d in manifest.blobs()}
+    with pytest.raises(FlareError) as raised:
+        load_runtime(manifest, files)
+    assert expected.removeprefix("error: ") in str(raised.value)
+    assert raised.value.exit_code == CORRUPT
+
+
 def test_a_rotten_file_outside_a_cache_is_refused_and_left_in_place(
     host: Host, tmp_path: Path
 ) -> None:

@@ -15,7 +15,8 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 from flare.build.tiny import CORPUS, SPECIAL_TOKENS, write_tokenizer
-from flare.serve.prompts import NFC_SHRINK, NFKC_SHRINK, chars_per_token_bound, token_ids
+from flare.serve.prompt_bound import NFC_SHRINK, NFKC_SHRINK, chars_per_token_bound
+from flare.serve.prompts import token_ids
 
 PIECES = [
     "the registry ",

@@ -563,8 +563,8 @@ def test_invalid_requests_are_refused(llama: GenerateRuntime) -> None:
 
 def test_chat_template_and_package_settings(llama: GenerateRuntime) -> None:
     messages = [{"role": "user", "content": "hi"}]
-    assert llama.render_chat(messages) == "<|user|>hi\n<|assistant|>"
-    assert llama.tokenizer.token_to_id("<|endoftext|>") in llama.eos_token_ids
+    assert llama.text.render_chat(messages) == "<|user|>hi\n<|assistant|>"
+    assert llama.tokenizer.token_to_id("<|endoftext|>") in llama.text.eos_token_ids
     assert llama.token_text(llama.tokenizer.token_to_id("<|user|>")) == "<|user|>"
     assert llama.kind == "generate" and llama.context_length == 256
 
