@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from flare.errors import FlareError
 from flare.serve import install_hashes
-from flare.serve.heap import freeze_heap
+from flare.serve.heap import freeze_heap, uncollected
 from flare.serve.thread_names import SENDER_THREAD, name_os_thread
 
 if TYPE_CHECKING:
@@ -211,11 +211,12 @@ def engine_main(conn: Connection, device: str | None = None) -> None:
     # Triton at torch's ptxas in this process, which Triton's keys include: use_cache_folder
     # pins it as the build did (serve/compiled.py).
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    from flare.serve.cache import HostCache  # torch's import, with the signals ignored
-    from flare.serve.runtime import GenerateRuntime, load_runtime
+    with uncollected():  # torch's import, with the signals ignored
+        from flare.serve.cache import HostCache
+        from flare.serve.runtime import GenerateRuntime, load_runtime
 
     chosen = make_context(device)
-    backends = backend_imports(chosen)
+    backends = [partial(_uncollected, step) for step in backend_imports(chosen)]
     while backends and not conn.poll():  # the pull runs on: import the backends meanwhile
         backends.pop(0)()
     try:
@@ -285,6 +286,12 @@ def backend_imports(device: str | None) -> list[Callable[[], None]]:
 
 def _run_all(steps: list[Callable[[], None]]) -> None:
     for step in steps:
+        step()
+
+
+def _uncollected(step: Callable[[], None]) -> None:
+    """A backend step with the cycle collector off (serve/heap.py: a quarter off the imports)."""
+    with uncollected():
         step()
 
 

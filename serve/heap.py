@@ -8,11 +8,18 @@ stream at once: about 100 ms on a tiny model on this repository's 2-core CPU
 (`python tests/bench/bench_gc_pause.py`, docs/performance.md). `gc.freeze` moves them out of
 the collector's sight, as vLLM's engine does after it loads; what requests allocate is
 collected as before.
+
+Imports are the other side of it: they allocate hundreds of thousands of objects and free
+almost none, so the collections they set off find nothing. Torch's, Dynamo's and Inductor's
+imports took 3.7-4.0 s with the collector on and 2.5-3.0 s without it on this repository's CPU
+(docs/performance.md), and the engine process's imports are its start's path to ready.
 """
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def freeze_heap() -> None:
@@ -20,3 +27,17 @@ def freeze_heap() -> None:
     long-lived process has loaded what it serves, before the first request."""
     gc.collect()
     gc.freeze()
+
+
+@contextmanager
+def uncollected() -> Iterator[None]:
+    """Run the block (imports) with the cycle collector off, then freeze what it made, so
+    that later collections skip it too; the collector is on again after, as it was."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()

@@ -2,7 +2,7 @@
 line, with its specialization, against those the build compiled.
 
     python tests/bench/gpu_start_kernels.py [--shape 1b] [--layers 2] [--starts N]
-        [--py-spy BIN] [--out DIR]
+        [--py-spy BIN] [--against PARENT] [--out DIR]
 
 A package carries the kernels its forward launches (the compile phase's Triton cache, packed);
 a start that builds one launched it otherwise than any launch at build: another constant, or
@@ -23,6 +23,11 @@ timestamped) goes to DIR/start_spy.json, and the report gives each process's tim
 each step of the start began and ended, in seconds from the command's launch, and its seconds
 on the stack (the API process's imports and pull, the engine's preparation, weights, trace
 and graph capture apart). The first start runs bare: its wall time is the figure.
+
+With --against PARENT (a folder whose `flare` is another tree of this project, such as a git
+worktree of an older commit linked as PARENT/flare), each of the --starts bare starts is
+followed by one of the same package served by that flare (on PYTHONPATH first), and the report
+gives both series and their medians: a change's effect on the start, measured in one run.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import importlib.util
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -178,6 +184,21 @@ def bytecode() -> str:
     return "cached" if cached else "compiled from source at every start"
 
 
+def against(env: dict[str, str], parent: Path, device: str, starts: int) -> dict[str, Any]:
+    """`starts` starts of this flare and of the one under `parent`, in turn: each series'
+    seconds from the command to the ready line, and their medians."""
+    other = env | {"PYTHONPATH": os.pathsep.join((str(parent), env["PYTHONPATH"]))}
+    series: dict[str, list[float]] = {"this": [], "against": []}
+    for _ in range(starts):
+        for name, run_env in (("this", env), ("against", other)):
+            server, _, _, seconds = start_server(run_env, "s", "--device", device)
+            stop(server, ())
+            series[name].append(round(seconds, 2))
+    medians = {name: statistics.median(values) for name, values in series.items()}
+    ratio = round(medians["this"] / medians["against"], 3)
+    return {"parent": str(parent), "ready_s": series, "median_s": medians, "ratio": ratio}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="1b", choices=sorted(SHAPES))
@@ -185,6 +206,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--starts", type=int, default=1, help="bare starts, each timed")
     parser.add_argument("--py-spy", type=Path, default=None, help="profile the start with it")
+    parser.add_argument("--against", type=Path, default=None, help="another flare's parent")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="flare-start-kernels-"))
@@ -215,6 +237,8 @@ def main() -> int:
         server, _, again, seconds = start_server(env, "s", "--device", args.device)
         stop(server, ())
         report.setdefault("again", []).append({"ready_line": again, "ready_s": round(seconds, 2)})
+    if args.against:
+        report["against"] = against(env, args.against, args.device, args.starts)
     names = {entry["name"] for entry in built}
     report["same_kernels_at_build"] = [entry for entry in at_build if entry["name"] in names]
     report["kernels_at_build"] = len(at_build)
