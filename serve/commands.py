@@ -223,7 +223,7 @@ def serve_command(
     from flare.serve.heap import uncollected
 
     with closing(engine_for(device)) as engine:  # its imports run beside this process's and pull
-        with uncollected():  # torch's among them, a quarter faster so (serve/heap.py)
+        with uncollected(freeze=True):  # torch's among them: a quarter off (serve/heap.py)
             from flare.build.commands import build_to_serve, is_source
             from flare.serve.launch import serving_leases
             from flare.serve.server import listen, run_server, url_of

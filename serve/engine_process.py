@@ -211,18 +211,29 @@ def engine_main(conn: Connection, device: str | None = None) -> None:
     # Triton at torch's ptxas in this process, which Triton's keys include: use_cache_folder
     # pins it as the build did (serve/compiled.py).
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    with uncollected():  # torch's import, with the signals ignored
-        from flare.serve.cache import HostCache
-        from flare.serve.runtime import GenerateRuntime, load_runtime
+    with uncollected():  # the start makes what lives: collected once, at its end (heap.py)
+        runtime = _start(conn, device)
+        if runtime is None:
+            return
+        freeze_heap()  # while the API process makes its app and starts listening
+    _EngineSide(conn, runtime).serve()
+
+
+def _start(conn: Connection, device: str | None) -> GenerateRuntime | None:
+    """Prepare `device` while the pull runs, then load what the API process sends; the
+    runtime once the API process was told it is ready, else None (told why not, or never
+    sent a package)."""
+    from flare.serve.cache import HostCache  # torch's import, with the signals ignored
+    from flare.serve.runtime import GenerateRuntime, load_runtime
 
     chosen = make_context(device)
-    backends = [partial(_uncollected, step) for step in backend_imports(chosen)]
+    backends = backend_imports(chosen)
     while backends and not conn.poll():  # the pull runs on: import the backends meanwhile
         backends.pop(0)()
     try:
         kind, spec = conn.recv()
     except (EOFError, OSError):  # the API process did not need an engine after all
-        return
+        return None
     assert kind == "load", kind
     began = time.time()  # the API process's ready line shows what this start took after the pull
     try:
@@ -241,10 +252,9 @@ def engine_main(conn: Connection, device: str | None = None) -> None:
         runtime.start_report.began = began
     except BaseException as exc:
         conn.send(("failed", LoadFailure.of(exc)))
-        return
+        return None
     conn.send(("ready", Ready.of(runtime)))
-    freeze_heap()  # while the API process makes its app and starts listening (0.2-0.4 s)
-    _EngineSide(conn, runtime).serve()
+    return runtime
 
 
 def make_context(asked: str | None) -> str | None:
@@ -286,12 +296,6 @@ def backend_imports(device: str | None) -> list[Callable[[], None]]:
 
 def _run_all(steps: list[Callable[[], None]]) -> None:
     for step in steps:
-        step()
-
-
-def _uncollected(step: Callable[[], None]) -> None:
-    """A backend step with the cycle collector off (serve/heap.py: a quarter off the imports)."""
-    with uncollected():
         step()
 
 

@@ -12,7 +12,8 @@ collected as before.
 Imports are the other side of it: they allocate hundreds of thousands of objects and free
 almost none, so the collections they set off find nothing. Torch's, Dynamo's and Inductor's
 imports took 3.7-4.0 s with the collector on and 2.5-3.0 s without it on this repository's CPU
-(docs/performance.md), and the engine process's imports are its start's path to ready.
+(docs/performance.md), and the engine process's imports are its start's path to ready, so
+its whole start runs without the collector, which collects once, as the heap is frozen.
 """
 
 from __future__ import annotations
@@ -30,14 +31,18 @@ def freeze_heap() -> None:
 
 
 @contextmanager
-def uncollected() -> Iterator[None]:
-    """Run the block (imports) with the cycle collector off, then freeze what it made, so
-    that later collections skip it too; the collector is on again after, as it was."""
+def uncollected(freeze: bool = False) -> Iterator[None]:
+    """Run the block with the cycle collector off: one that makes what lives (imports, a
+    load), so collections would find nothing. It is on again after, as it was. `freeze`: the
+    block's objects then frozen, for a block of imports alone; a load is frozen once whole
+    (`freeze_heap`), as a freeze in its middle would keep whatever cycle is alive then, such as
+    one holding a buffer of the weights' read, from ever being collected."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
+        if freeze:
+            gc.freeze()
         if enabled:
             gc.enable()

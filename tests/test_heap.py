@@ -1,10 +1,9 @@
-"""A serving process's heap: imports run without the cycle collector and what they made is
-frozen, and the collector is back on for what the process allocates after (a step loop's
-garbage must still be collected)."""
+"""A serving process's heap: imports run without the cycle collector, which is back on for
+what the process allocates after (a step loop's garbage must still be collected), and nothing
+is frozen in the middle of a load."""
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
 import textwrap
@@ -18,20 +17,27 @@ def run_python(code: str) -> str:
     return done.stdout.strip()
 
 
-def test_a_block_runs_uncollected_and_its_objects_are_frozen_then_collection_resumes() -> None:
+def test_a_block_runs_uncollected_then_collection_resumes_and_finds_its_cycles() -> None:
     out = run_python(
         """
-        import gc
+        import gc, weakref
         from flare.serve.heap import uncollected
 
-        before = gc.get_freeze_count()
+        class Node:
+            pass
+
         with uncollected():
             inside = gc.isenabled()
-            made = [[i] for i in range(10000)]
-        print(inside, gc.isenabled(), gc.get_freeze_count() - before >= 10000)
+            node = Node()
+            node.me = node
+            alive = weakref.ref(node)
+            del node
+            kept = alive() is not None
+        gc.collect()
+        print(inside, kept, gc.isenabled(), gc.get_freeze_count(), alive() is None)
         """
     )
-    assert out == "False True True"
+    assert out == "False True True 0 True"
 
 
 def test_a_collector_turned_off_before_stays_off() -> None:
@@ -66,15 +72,33 @@ def test_an_import_that_fails_still_turns_the_collector_back_on() -> None:
     assert out == "True"
 
 
-def test_the_engine_process_collects_again_once_its_imports_are_done() -> None:
-    """Its backend steps run uncollected one by one (engine_process._uncollected), whether
-    before the package arrives or beside the weights' read."""
-    from flare.serve.engine_process import _uncollected
+def test_a_block_of_imports_alone_is_frozen_when_asked() -> None:
+    out = run_python(
+        """
+        import gc
+        from flare.serve.heap import uncollected
 
-    seen: list[bool] = []
-    assert gc.isenabled()
-    try:
-        _uncollected(lambda: seen.append(gc.isenabled()))
-        assert seen == [False] and gc.isenabled()
-    finally:
-        gc.unfreeze()  # pytest's heap as it was for the tests after
+        with uncollected(freeze=True):
+            made = [[i] for i in range(10000)]
+        print(gc.isenabled(), gc.get_freeze_count() >= 10000)
+        """
+    )
+    assert out == "True True"
+
+
+def test_an_engine_process_given_no_package_ends_with_the_collector_on() -> None:
+    """Its start (imports, the load) runs without the collector; however it ends, the
+    collector is on again for what comes after."""
+    out = run_python(
+        """
+        import gc
+        from multiprocessing import Pipe
+        from flare.serve.engine_process import engine_main
+
+        ours, theirs = Pipe()
+        ours.close()  # the API process needed no engine
+        engine_main(theirs, "cpu")
+        print(gc.isenabled())
+        """
+    )
+    assert out == "True"
