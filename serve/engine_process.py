@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -230,6 +231,7 @@ def _start(conn: Connection, device: str | None) -> GenerateRuntime | None:
     backends = backend_imports(chosen)
     while backends and not conn.poll():  # the pull runs on: import the backends meanwhile
         backends.pop(0)()
+    gc.freeze()  # the imports so far, and nothing of a load yet: the last collection skips them
     try:
         kind, spec = conn.recv()
     except (EOFError, OSError):  # the API process did not need an engine after all

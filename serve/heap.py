@@ -13,7 +13,8 @@ Imports are the other side of it: they allocate hundreds of thousands of objects
 almost none, so the collections they set off find nothing. Torch's, Dynamo's and Inductor's
 imports took 3.7-4.0 s with the collector on and 2.5-3.0 s without it on this repository's CPU
 (docs/performance.md), and the engine process's imports are its start's path to ready, so
-its whole start runs without the collector, which collects once, as the heap is frozen.
+its whole start runs without the collector: what it imported before the package came is
+frozen then, and the rest is collected once, as the heap is frozen after the load.
 """
 
 from __future__ import annotations

@@ -168,11 +168,11 @@ def load_package_app(
         leader.ready(runtime, time.perf_counter() - started)
         ranks_text = f"; rank 0 of {plan.manifest.ranks}, every rank loaded"
     weights = payload_bytes(plan.manifest)
-    kv = runtime.kv_stats()
     kv_text = ""
-    if kv:  # a generating model
-        tokens = kv["blocks_total"] * kv["block_size"]
-        kv_text = f"; KV cache {tokens} tokens, {runtime.attention} attention"
+    memory = runtime.memory_plan
+    if memory is not None and memory.kv is not None:  # a generating model (asked nothing of
+        # the engine process, which freezes its heap meanwhile: serve/heap.py)
+        kv_text = f"; KV cache {memory.kv.tokens} tokens, {runtime.attention} attention"
     err.print(
         f"loaded {plan.manifest.name} ({decimal(weights)} of weights) on {plan.device} in "
         f"{time.perf_counter() - started:.2f} s{kv_text}{ranks_text}",
