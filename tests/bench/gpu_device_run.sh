@@ -61,7 +61,7 @@ for stage in "$@"; do
     beside) python3 tests/bench/gpu_load_beside.py --size-mb 2000 --repeat 2 --readers 1 2 4 \
       --hash-threads 0 4 ;;
     start) python3 tests/bench/gpu_start_kernels.py --shape "${SHAPES:-8b}" \
-      --layers "${LAYERS:-32}" --starts 2 --py-spy /tmp/site/bin/py-spy --out "$out/start" ;;
+      --layers "${LAYERS:-32}" --starts 3 --py-spy /tmp/site/bin/py-spy --out "$out/start" ;;
     profile) python3 tests/bench/gpu_step_profile.py --shapes 1b --py-spy /tmp/site/bin/py-spy \
       --out "$out/profile" ;;
     correct) python3 tests/bench/gpu_correctness.py --shapes "${SHAPES:-1b,8b}" --skip suite \

@@ -22,7 +22,9 @@ samples included, 100 a second) until its ready line: its trace (Chrome's trace 
 timestamped) goes to DIR/start_spy.json, and the report gives each process's timeline: when
 each step of the start began and ended, in seconds from the command's launch, and its seconds
 on the stack (the API process's imports and pull, the engine's preparation, weights, trace
-and graph capture apart). The first start runs bare: its wall time is the figure.
+and graph capture apart). The first start runs with the kernel listener, which imports
+Triton as each process starts (0.3-0.4 s a process on the H200's host); the others
+(`--starts N`, `again` in the report) run bare: theirs are the figures.
 
 With --against PARENT (a folder whose `flare` is another tree of this project, such as a git
 worktree of an older commit linked as PARENT/flare), each of the --starts bare starts is
