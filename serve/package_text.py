@@ -16,7 +16,6 @@ import json
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import cached_property
-from threading import Thread
 from typing import Any
 
 import jinja2.ext  # noqa: F401  (the templates' loopcontrols, imported here, not on a thread)
@@ -26,6 +25,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from flare.errors import InvalidInputError, NotFoundError
+from flare.serve.background import in_background
 from flare.serve.models.files import PackageFiles
 from flare.serve.prompt_bound import chars_per_token_bound
 
@@ -90,18 +90,9 @@ def read_text(package: PackageFiles) -> PackageText:
 
 
 def read_text_beside(package: PackageFiles) -> Future[PackageText]:
-    """`read_text` on a thread of its own, started now: the engine process reads the package's
+    """`read_text` on a thread of its own, begun now: the engine process reads the package's
     text while its main thread imports and its weights are read."""
-    future: Future[PackageText] = Future()
-
-    def read() -> None:
-        try:
-            future.set_result(read_text(package))
-        except BaseException as exc:  # raised where the runtime asks for it
-            future.set_exception(exc)
-
-    Thread(target=read, name="flare-package-text", daemon=True).start()
-    return future
+    return in_background("flare-package-text", read_text, package)
 
 
 def _tokenizer(package: PackageFiles) -> Tokenizer:

@@ -18,10 +18,8 @@ import io
 import json
 import mmap
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -30,6 +28,7 @@ import torch
 from torch import nn
 
 from flare.errors import IntegrityError, InvalidInputError, NotFoundError, from_os_error
+from flare.serve.background import in_background
 from flare.serve.models.staging import Staging
 from flare.store.digest import Digest
 from flare.store.hashing import hash_bytes, hash_open_file
@@ -169,7 +168,7 @@ class PackageFiles:
         """A payload's tensors as views of its memory map, hashed while the caller reads."""
         mapped = _map(self._local(part))
         view = memoryview(mapped if mapped is not None else b"")
-        hashed = _hash_in_background(view)
+        hashed = in_background("payload-hash", hash_bytes, view)  # BLAKE3 lets go of the GIL
         try:
             check_size(part, len(view), where)
             header = read_header(_reader(mapped), len(view), where)
@@ -287,21 +286,6 @@ def _map(path: Path) -> mmap.mmap | None:
             return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
     except OSError as exc:
         raise from_os_error(exc, "read", path) from exc
-
-
-def _hash_in_background(view: memoryview) -> Future[Digest]:
-    """The view's digest, computed on threads of their own (BLAKE3 releases the GIL) while
-    the caller goes on reading the same bytes."""
-    future: Future[Digest] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(hash_bytes(view))
-        except BaseException as exc:  # handed to whoever waits for the digest
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="payload-hash", daemon=True).start()
-    return future
 
 
 def _reader(mapped: mmap.mmap | None) -> BinaryIO:
