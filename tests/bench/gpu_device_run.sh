@@ -39,11 +39,18 @@ fi
 mkdir -p /tmp/p && ln -sfn "$PWD" /tmp/p/flare  # the repository root is the package `flare`
 export PYTHONPATH=/tmp/site:/tmp/p PYTHONUNBUFFERED=1 FLARE_KERNEL_CACHE=/tmp/kc \
   PYTHONPYCACHEPREFIX=/tmp/pyc FLASHINFER_WORKSPACE_BASE=/tmp/fiws
-if [ ! -f /tmp/pyc/.compiled ]; then  # bytecode once: else every process compiles torch again
-  python3 -m compileall -q -j 16 \
-    $(python3 -c 'import site; print(" ".join(site.getsitepackages()))') /tmp/site >/dev/null 2>&1
+# Bytecode for every module a start imports, as a host that installed them has it (pip compiles
+# what it installs, a distribution's Python ships its standard library's): this host runs
+# Python with -B, which writes none, so every process of every start compiled from source what
+# sys.path holds beyond site-packages (the standard library, flare's own modules: 1.4 s of an
+# 8B start's engine process under py-spy, twenty-second session). Once a machine for what does
+# not change; flare's tree, which changes from call to call, at every call.
+if [ ! -f /tmp/pyc/.compiled ]; then
+  python3 -m compileall -q -j 16 $(python3 -c 'import os, sys
+print(" ".join(p for p in sys.path if os.path.isdir(p) and p != "/tmp/p"))') >/dev/null 2>&1
   mkdir -p /tmp/pyc && touch /tmp/pyc/.compiled
 fi
+python3 -m compileall -q -j 16 -x '/\.' /tmp/p/flare/ >/dev/null 2>&1
 gate=${GATE:-"tests/test_prefill_graphs.py tests/test_cuda_graphs.py tests/test_activation.py tests/test_admission_memory.py"}
 serving=(--skip-compiled --kernel-cache /tmp/kc)
 for stage in "$@"; do

@@ -178,14 +178,22 @@ def gpu_processes(api: int) -> dict[str, Any] | str:
     }
 
 
-def bytecode() -> str:
-    """Whether torch's modules load from bytecode, as after pip's install: a start that
-    compiles torch's sources takes twice as long (PYTHONDONTWRITEBYTECODE, a venv without
-    __pycache__ folders), and says nothing about flare."""
+def bytecode() -> dict[str, str]:
+    """Whether torch's, the standard library's and flare's modules load from bytecode, as on a
+    host that installed them: a start that compiles them from source (PYTHONDONTWRITEBYTECODE
+    or -B, no __pycache__ folders) takes seconds longer, and says nothing about flare."""
+    import inspect
+
     import torch
 
-    cached = Path(importlib.util.cache_from_source(torch.__file__)).exists()
-    return "cached" if cached else "compiled from source at every start"
+    import flare.serve.runtime
+
+    return {
+        module.__name__: "cached"
+        if Path(importlib.util.cache_from_source(module.__file__)).exists()
+        else "compiled from source at every start"
+        for module in (torch, inspect, flare.serve.runtime)
+    }
 
 
 def against(env: dict[str, str], parent: Path, device: str, starts: int) -> dict[str, Any]:
