@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import logging
 import multiprocessing
 import os
@@ -224,14 +223,14 @@ def _start(conn: Connection, device: str | None) -> GenerateRuntime | None:
     """Prepare `device` while the pull runs, then load what the API process sends; the
     runtime once the API process was told it is ready, else None (told why not, or never
     sent a package)."""
-    from flare.serve.cache import HostCache  # torch's import, with the signals ignored
-    from flare.serve.runtime import GenerateRuntime, load_runtime
+    with uncollected(freeze=True):  # imports, nothing of a load yet: the last collection skips them
+        from flare.serve.cache import HostCache  # torch's import, with the signals ignored
+        from flare.serve.runtime import GenerateRuntime, load_runtime
 
-    chosen = make_context(device)
-    backends = backend_imports(chosen)
-    while backends and not conn.poll():  # the pull runs on: import the backends meanwhile
-        backends.pop(0)()
-    gc.freeze()  # the imports so far, and nothing of a load yet: the last collection skips them
+        chosen = make_context(device)
+        backends = backend_imports(chosen)
+        while backends and not conn.poll():  # the pull runs on: import the backends meanwhile
+            backends.pop(0)()
     try:
         kind, spec = conn.recv()
     except (EOFError, OSError):  # the API process did not need an engine after all

@@ -181,7 +181,7 @@ def gpu_processes(api: int) -> dict[str, Any] | str:
 def bytecode() -> dict[str, str]:
     """Whether torch's, the standard library's and flare's modules load from bytecode, as on a
     host that installed them: a start that compiles them from source (PYTHONDONTWRITEBYTECODE
-    or -B, no __pycache__ folders) takes seconds longer, and says nothing about flare."""
+    or -B, no __pycache__ folders) takes seconds longer, a cost of the host, not of the start."""
     import inspect
 
     import torch
