@@ -26,7 +26,7 @@ from flare.serve.compiled import CompiledForward, use_cache_folder, warm_up
 from flare.serve.engine.attention import AttentionBackend
 from flare.serve.engine.attention_choice import make_attention
 from flare.serve.engine.block_manager import BlockManager
-from flare.serve.engine.cuda_graphs import DecodeGraphs
+from flare.serve.engine.cuda_graphs import DecodeGraphs, release_unused
 from flare.serve.engine.engine import Engine, EngineStopping
 from flare.serve.engine.flashinfer_attention import FlashInferPagedAttention
 from flare.serve.engine.output import Delta, RequestFailed, RequestHandle
@@ -283,10 +283,10 @@ class GenerateRuntime(Runtime):
         not depend on the others, nor on what ran before; prefill steps replay CUDA graphs
         beside the decode steps' unless `prefill_graphs` is off (None: off with
         `batch_invariant` only, as padding would break its promise). `weights`, where the
-        model's weights are still being read (load_runtime): the KV cache is made and the
-        compiled forward warmed up meanwhile, and the read awaited before any graph is
-        captured (a capture records the device's work, not values, but no other thread may
-        use the device while a graph is captured)."""
+        model's weights are still being read (load_runtime): the KV cache is made, the
+        compiled forward warmed up and the CUDA graphs captured meanwhile (a capture records
+        the device's work, not values, in a mode that lets the read's threads use the device:
+        cuda_graphs.recording), and the read awaited before anything runs on its values."""
         linear.keep_rows_invariant(batch_invariant)
         prepared = prepared or RuntimeArtifacts("eager", None, why="none was asked for")
         decisions = prepared.decisions
@@ -331,13 +331,15 @@ class GenerateRuntime(Runtime):
             runner, self.start_report = _start_forward(
                 model, attention, block, device, prepared, blocks
             )
-            if weights is not None:
-                weights.wait()
             if graphs is not None:
                 shape = (max_concurrency, batched_tokens, usable)
                 prefills = not batch_invariant if prefill_graphs is None else prefill_graphs
                 self._capture_graphs(runner, graphs, *shape, prefills=prefills)
                 self.start_report.compilations = compilations.snapshot() - before
+            if weights is not None:
+                weights.wait()
+            if graphs is not None:
+                release_unused(device)
         self.runner = runner
         self.rank_reports: dict[int, dict[str, float]] = {}
         """Each rank's load: seconds, weight and KV bytes (set once every rank is ready)."""

@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from test_runtime import build_package
 
 from flare.build.tiny import make_tiny_llama
 from flare.serve.engine.block_manager import BlockManager
-from flare.serve.engine.cuda_graphs import captured, padded_to
+from flare.serve.engine.cuda_graphs import captured, held_bytes, padded_to
 from flare.serve.engine.flashinfer_attention import page_counts, page_table
 from flare.serve.engine.runner import FreshRows, ModelRunner, StepInput, StepLogits
 from flare.serve.engine.sampler import row_max
@@ -181,6 +183,61 @@ def test_a_capture_without_a_run_first_that_fails_is_made_again_after_one() -> N
     x.fill_(3)
     graph.replay()
     assert out.tolist() == [6.0] * 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphs_are_captured_while_another_thread_reads_onto_the_device() -> None:
+    """A start captures its graphs while the weights' read goes on (serve/runtime.py): on
+    threads and a stream of their own, it allocates, copies and waits for its copies, which
+    CUDA's default capture mode forbids every thread. Here a reader does all three, in a
+    loop, while graphs are captured (each capture sleeps inside, so reads land during it):
+    no call fails, every read lands whole, each graph replays its own work alone, and the
+    memory the captures hold is counted without the reader's buffers (`held_bytes`)."""
+    x = torch.ones(1 << 20, device="cuda")
+    source = torch.arange(1 << 23, dtype=torch.float32).pin_memory()
+    stop, landed, errors = threading.Event(), [], []
+
+    def read() -> None:
+        stream = torch.cuda.Stream()
+        try:
+            with torch.cuda.stream(stream):
+                while not stop.is_set():
+                    target = torch.empty(source.shape, device="cuda")
+                    target.copy_(source, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                    done.synchronize()
+                    landed.append(torch.equal(target[-4:].cpu(), source[-4:]))
+        except BaseException as exc:  # raised below, on the test's thread
+            errors.append(exc)
+
+    def step(factor: float) -> torch.Tensor:
+        time.sleep(0.02)  # the GIL let go inside the capture: the reader runs meanwhile
+        return x * factor
+
+    reader = threading.Thread(target=read)
+    held = held_bytes(torch.device("cuda"))
+    reader.start()
+    graphs, pool, during = [], None, []
+    try:
+        for factor in range(2, 12):
+            before = len(landed)
+            graph, out = captured(lambda f=factor: step(f), pool, warm=False)
+            graphs.append((graph, out, factor))
+            pool = graph.pool()
+            during.append(len(landed) - before)
+        taken = held_bytes(torch.device("cuda")) - held
+    finally:
+        stop.set()
+        reader.join()
+    assert not errors, errors
+    assert landed and all(landed) and sum(during) > 0, during
+    x.fill_(3)
+    for graph, out, factor in graphs:
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.full_like(x, 3.0 * factor))
+    assert len(graphs) * x.nbytes <= taken < len(graphs) * x.nbytes + source.nbytes, taken
 
 
 def kernel_by_kernel_then_replayed(

@@ -161,7 +161,7 @@ class DecodeGraphs:
         is run once before its capture, the others' are not (`captured`)."""
         device = self._last.device
         started = time.perf_counter()
-        free = settled_free(device)
+        held = held_bytes(device)
         spec = self.attention.spec
         group = spec.num_heads // spec.num_kv_heads
         self._workspace = DecodeWorkspace(
@@ -170,7 +170,7 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             self._graphs[size] = self._capture(size, self.pool, warm=not self._graphs)
             self.pool = self._graphs[size].graph.pool()
-        taken = free - settled_free(device)
+        taken = held_bytes(device) - held
         return GraphReport(self.sizes, time.perf_counter() - started, max(0, taken))
 
     def _capture(self, size: int, pool: tuple[int, int] | None, warm: bool) -> _Graph:
@@ -255,15 +255,33 @@ class DecodeGraphs:
         self._tokens[: len(tokens)].copy_(tokens)
 
 
-def settled_free(device: torch.device) -> int:
-    """The device's free memory once its queued work is done and the caching allocators have
-    given back what they hold unused (the weights' read buffers, the last steps' temporaries;
-    the pinned host buffers the read staged through, as `torch.cuda.graph` frees them): taken
-    before and after a set of captures, the difference is what the graphs hold."""
+def held_bytes(device: torch.device) -> int:
+    """Device memory the caching allocator holds for work queued from this thread (its
+    current stream's live blocks) and in every CUDA graph's pool: taken before and after a
+    set of captures, the difference is what the graphs and their buffers hold, whatever the
+    weights' read, which the captures run beside on a stream of its own, allocates and frees
+    meanwhile (the device's free memory would count the read's buffers in flight)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index).cuda_stream
+    held = 0
+    for segment in torch.cuda.memory_snapshot(include_traces=False):
+        if segment["device"] != index:
+            continue
+        if tuple(segment["segment_pool_id"]) != (0, 0):
+            held += segment["total_size"]
+        elif segment["stream"] == stream:
+            held += segment["allocated_size"]
+    return held
+
+
+def release_unused(device: torch.device) -> None:
+    """Let the device's queued work finish and the caching allocators give back what they
+    hold unused (the weights' read buffers, the warm-up's temporaries; the pinned host
+    buffers the read staged through, as `torch.cuda.graph` frees them), so that the memory
+    plan, made next, sees the device as the server will run on it."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch._C._host_emptyCache()
-    return torch.cuda.mem_get_info(device)[0]
 
 
 T = TypeVar("T")
@@ -302,13 +320,19 @@ def recording(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None) -> Iter
     less the caching allocators' emptying before each capture: a start captures a graph
     per decode size and prefill shape in a row, each run once just before, and emptied, every
     run's temporaries came from the driver again (vLLM skips it after its first graph for the
-    same reason). The caller empties the cache before the captures and after (`settled_free`)."""
+    same reason); the runtime empties it once, after the captures (`release_unused`).
+
+    Captured in CUDA's thread-local mode: the weights' read goes on beside the captures, on
+    threads and a stream of their own (it copies, allocates and waits for its copies, which
+    the default, global mode forbids every thread while a capture is under way); what a
+    graph records is this thread's work on the capture stream alone, and it replays only
+    once the read is done."""
     device = torch.cuda.current_device()
     stream = _CAPTURE_STREAMS.get(device)
     if stream is None:
         stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
     with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool)
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
             yield
         except BaseException:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flare.serve.engine.cuda_graphs import STAGED, GraphReport, captured, settled_free
+from flare.serve.engine.cuda_graphs import STAGED, GraphReport, captured, held_bytes
 from flare.serve.engine.device_io import settle
 from flare.serve.engine.flashinfer_attention import (
     FlashInferGraphPrefill,
@@ -179,11 +179,11 @@ class PrefillGraphs:
         wrapper is planned before its capture, its buffers made with it."""
         device = self._last.device
         started = time.perf_counter()
-        free = settled_free(device)
+        held = held_bytes(device)
         for shape in self.shapes:
             self._graphs[shape] = self._capture(shape, pool, warm=not self._graphs)
             pool = self._graphs[shape].graph.pool()
-        taken = free - settled_free(device)
+        taken = held_bytes(device) - held
         tokens = sorted({t for _, t in self.shapes})
         return GraphReport(
             tokens,

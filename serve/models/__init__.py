@@ -87,12 +87,12 @@ def load_model(
 class WeightsLoading:
     """A package's weights being copied into a model's parameters on a thread of its own, so
     that the caller may meanwhile run the model (trace and warm up its compiled forward,
-    whose results it drops: the values are not yet the weights) and `wait` before anything
-    counts. The parameters are written in place (their addresses do not change), on a CUDA
-    stream of the thread's own that is drained before the thread ends. While it runs, the
-    interpreter switches threads quickly (serve/switching.py): the load takes the GIL back
-    between its reads and copies, which a busy main thread (imports) would otherwise hold
-    for whole switch intervals."""
+    whose results it drops: the values are not yet the weights; capture its CUDA graphs) and
+    `wait` before anything counts. The parameters are written in place (their addresses do
+    not change), on a CUDA stream of the thread's own that is drained before the thread
+    ends. While it runs, the interpreter switches threads quickly (serve/switching.py): the
+    load takes the GIL back between its reads and copies, which a busy main thread (imports)
+    would otherwise hold for whole switch intervals."""
 
     def __init__(
         self, model: nn.Module, files: PackageFiles, device: torch.device, rank: int

@@ -24,7 +24,8 @@
 # host), launch, attend, serve1b, serve8b, profile, correct, minilm-part, suite (the CPU
 # suite's tiny checkpoints and the real MiniLM against transformers), load (the weights' read against
 # cat), beside (the read beside busy Python), start (a start's timeline under py-spy:
-# SHAPES, LAYERS). The 1B serving stage serves with prefill
+# SHAPES, LAYERS; AGAINST=PARENT times starts of the flare tree in PARENT/flare in turn with
+# this one's, as carried in an ignored folder). The 1B serving stage serves with prefill
 # graphs (the default) and again with --no-prefill-graphs. Where what comes back is limited
 # (eight files, say), mind that each stage leaves its log, and profile five files more (its
 # report, its table, py-spy's samples of each of its three paths).
@@ -50,7 +51,7 @@ if [ ! -f /tmp/pyc/.compiled ]; then
 print(" ".join(p for p in sys.path if os.path.isdir(p) and p != "/tmp/p"))') >/dev/null 2>&1
   mkdir -p /tmp/pyc && touch /tmp/pyc/.compiled
 fi
-python3 -m compileall -q -j 16 -x '/\.' /tmp/p/flare/ >/dev/null 2>&1
+python3 -m compileall -q -j 16 -x '/\.' /tmp/p/flare/ ${AGAINST:+"$AGAINST/flare/"} >/dev/null 2>&1
 gate=${GATE:-"tests/test_prefill_graphs.py tests/test_cuda_graphs.py tests/test_activation.py tests/test_admission_memory.py"}
 serving=(--skip-compiled --kernel-cache /tmp/kc)
 for stage in "$@"; do
@@ -68,7 +69,8 @@ for stage in "$@"; do
     beside) python3 tests/bench/gpu_load_beside.py --size-mb 2000 --repeat 2 --readers 1 2 4 \
       --hash-threads 0 4 ;;
     start) python3 tests/bench/gpu_start_kernels.py --shape "${SHAPES:-8b}" \
-      --layers "${LAYERS:-32}" --starts 3 --py-spy /tmp/site/bin/py-spy --out "$out/start" ;;
+      --layers "${LAYERS:-32}" --starts 3 --py-spy /tmp/site/bin/py-spy --out "$out/start" \
+      ${AGAINST:+--against "$AGAINST"} ;;
     profile) python3 tests/bench/gpu_step_profile.py --shapes 1b --py-spy /tmp/site/bin/py-spy \
       --out "$out/profile" ;;
     correct) python3 tests/bench/gpu_correctness.py --shapes "${SHAPES:-1b,8b}" --skip suite \

@@ -111,12 +111,14 @@ MARKS = (
     "load_model", "make_attention", "FlashInferPagedAttention.__init__", "_start_forward",
     "unpack", "warm_up", "DecodeGraphs.capture", "PrefillGraphs.capture", "WeightsLoading._load",
     "_find_and_load",
-    "DecodeGraphs._step", "PrefillGraphs._step", "recording", "settled_free", "synchronize",
+    "DecodeGraphs._step", "PrefillGraphs._step", "recording", "held_bytes", "release_unused",
+    "synchronize", "WeightsLoading.wait",
 )  # fmt: skip
 """The frames whose spans the timeline gives: the start's steps, and imports; within the
 graphs' capture, each graph's step (run once, then captured), the capture's own begin and
-end (`recording`: the driver instantiates the graph at its end), the caching allocator
-emptied (`settled_free`) and the waits for the device."""
+end (`recording`: the driver instantiates the graph at its end), the memory the graphs hold
+counted (`held_bytes`), the caching allocator emptied after them (`release_unused`), the waits
+for the device, and the wait for the weights' read, after the captures."""
 
 
 def spy_timeline(trace: Path) -> dict[str, dict[str, list[float]]]:
