@@ -200,17 +200,23 @@ def bytecode() -> dict[str, str]:
 
 def against(env: dict[str, str], parent: Path, device: str, starts: int) -> dict[str, Any]:
     """`starts` starts of this flare and of the one under `parent`, in turn: each series'
-    seconds from the command to the ready line, and their medians."""
+    seconds from the command to the ready line, and their medians, and the ready lines
+    (whose parts say where each start's time went)."""
     other = env | {"PYTHONPATH": os.pathsep.join((str(parent), env["PYTHONPATH"]))}
     series: dict[str, list[float]] = {"this": [], "against": []}
+    lines: dict[str, list[str]] = {"this": [], "against": []}
     for _ in range(starts):
         for name, run_env in (("this", env), ("against", other)):
-            server, _, _, seconds = start_server(run_env, "s", "--device", device)
+            server, _, ready, seconds = start_server(run_env, "s", "--device", device)
             stop(server, ())
             series[name].append(round(seconds, 2))
+            lines[name].append(ready)
     medians = {name: statistics.median(values) for name, values in series.items()}
     ratio = round(medians["this"] / medians["against"], 3)
-    return {"parent": str(parent), "ready_s": series, "median_s": medians, "ratio": ratio}
+    return {
+        "parent": str(parent), "ready_s": series, "median_s": medians, "ratio": ratio,
+        "ready_lines": lines,
+    }  # fmt: skip
 
 
 def main() -> int:
