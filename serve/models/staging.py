@@ -135,10 +135,12 @@ class Staging:
         return done
 
     def synchronize(self) -> None:
-        """Wait for all work queued on the device (the caller's copies out of the payloads),
-        so that a load's time is the whole of it."""
+        """Wait for the work this thread queued on its stream (the caller's copies out of the
+        payloads), so that a load's time is the whole of it. Not the whole device's: the
+        start captures CUDA graphs beside the read, and a wait for every stream is one CUDA
+        forbids any thread while a capture is under way."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
 
 def _finish(pending: Pending | None) -> None:
