@@ -165,12 +165,17 @@ def test_graph_decode_gives_the_logits_of_the_kernel_by_kernel_decode(tmp_path: 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_capture_without_a_run_first_that_fails_is_made_again_after_one() -> None:
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_capture_without_a_run_first_that_fails_is_made_again_after_one(shared: bool) -> None:
     """A start captures most graphs without running their step first (`captured`); one
     whose capture raises (here a wait for the device, which no capture allows) is run once,
-    then captured again, and its graph replays the step's work on new inputs."""
+    then captured again, and its graph replays the step's work on new inputs. In a pool that
+    other graphs share (a start's), too: the broken capture's end fails before the allocator
+    stops recording into the pool, and the retry, and the set's next graph, capture into it."""
     x = torch.ones(4, device="cuda")
     capturing: list[bool] = []
+    first = captured(lambda: x + 1, None, warm=False)[0] if shared else None
+    pool = first.pool() if first is not None else None
 
     def step() -> torch.Tensor:
         capturing.append(torch.cuda.is_current_stream_capturing())
@@ -178,11 +183,13 @@ def test_a_capture_without_a_run_first_that_fails_is_made_again_after_one() -> N
             torch.cuda.synchronize()
         return x * 2
 
-    graph, out = captured(step, None, warm=False)
+    graph, out = captured(step, pool, warm=False)
     assert capturing == [True, False, True]
+    after, added = captured(lambda: x + 5, pool if shared else graph.pool(), warm=False)
     x.fill_(3)
     graph.replay()
-    assert out.tolist() == [6.0] * 4
+    after.replay()
+    assert out.tolist() == [6.0] * 4 and added.tolist() == [8.0] * 4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

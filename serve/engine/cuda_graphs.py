@@ -331,15 +331,28 @@ def recording(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None) -> Iter
     stream = _CAPTURE_STREAMS.get(device)
     if stream is None:
         stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()  # named, to end it
     with torch.cuda.stream(stream):
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
             yield
         except BaseException:
-            with suppress(RuntimeError):  # the capture the error broke: the error says why
+            try:
                 graph.capture_end()
+            except RuntimeError:  # the capture the error broke: the error says why
+                _stop_allocating_to(device, pool)
             raise
         graph.capture_end()
+
+
+def _stop_allocating_to(device: int, pool: tuple[int, int]) -> None:
+    """End the caching allocator's recording into `pool` after a capture whose end failed
+    (one that its step broke: `capture_end` raises before it ends the recording), so that the
+    next capture into the pool, a retry or the set's next graph, may begin: it failed with
+    "already recording to mempool_id" (seen on the H200, where a wait from another thread
+    broke a capture). Nothing to end where the failed end had ended it."""
+    with suppress(RuntimeError):
+        torch._C._cuda_endAllocateToPool(device, pool)
 
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
