@@ -25,7 +25,9 @@
 # suite's tiny checkpoints and the real MiniLM against transformers), load (the weights' read against
 # cat), beside (the read beside busy Python), start (a start's timeline under py-spy:
 # SHAPES, LAYERS; AGAINST=PARENT times starts of the flare tree in PARENT/flare in turn with
-# this one's, as carried in an ignored folder). The 1B serving stage serves with prefill
+# this one's, as carried in an ignored folder), aoti (the forward's graphs as AOTInductor
+# packages against the precompiled graphs, each start in a fresh process: LAYERS, HIDDEN).
+# The 1B serving stage serves with prefill
 # graphs (the default) and again with --no-prefill-graphs. Where what comes back is limited
 # (eight files, say), mind that each stage leaves its log, and profile five files more (its
 # report, its table, py-spy's samples of each of its three paths).
@@ -71,6 +73,8 @@ for stage in "$@"; do
     start) python3 tests/bench/gpu_start_kernels.py --shape "${SHAPES:-8b}" \
       --layers "${LAYERS:-32}" --starts 3 --py-spy /tmp/site/bin/py-spy --out "$out/start" \
       ${AGAINST:+--against "$AGAINST"} ;;
+    aoti) python3 tests/bench/bench_aoti_start.py --device cuda --layers "${LAYERS:-16}" \
+      --hidden "${HIDDEN:-2048}" --repeat 3 ;;
     profile) python3 tests/bench/gpu_step_profile.py --shapes 1b --py-spy /tmp/site/bin/py-spy \
       --out "$out/profile" ;;
     correct) python3 tests/bench/gpu_correctness.py --shapes "${SHAPES:-1b,8b}" --skip suite \
