@@ -117,11 +117,15 @@ class AOTIForward:
     # its graphs: the embeddings, the rotary rows and the final norm as they are between them
 
     def __init__(self, packages):
+        # each run single-threaded: the container's threaded run hands the next call a model
+        # only once the call before has ended on the device (cudaEventQuery, then
+        # cudaEventSynchronize with one model), a wait at every layer's call that a CUDA
+        # graph's capture also forbids
         self.operator = OperatorAttention()
         loader = torch._C._aoti.AOTIModelPackageLoader
         index = -1 if device.type == "cpu" else torch.cuda.current_device()
         self.graphs = {
-            kind: loader(str(path), "model", False, 1, index) for kind, path in packages.items()
+            kind: loader(str(path), "model", True, 1, index) for kind, path in packages.items()
         }
 
     def _layer(self, layer, x, residual, rotary, attention):
