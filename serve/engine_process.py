@@ -245,7 +245,7 @@ def _start(conn: Connection, device: str | None) -> GenerateRuntime | None:
             spec.files,
             spec.device,
             quarantine=quarantine,
-            beside_read=partial(_run_all, backends) if backends else None,
+            beside_read=partial(_run_left, backends) if backends else None,
             **spec.options,
         )
         if not isinstance(runtime, GenerateRuntime):
@@ -284,7 +284,8 @@ def backend_imports(device: str | None) -> list[Callable[[], None]]:
     the package between steps (Dynamo's import alone takes over a second on the H200's host):
     the package known, the steps left run on the main thread beside the weights' read
     (load_runtime's `beside_read`), which takes a second or more for billions of parameters,
-    rather than before it. Never on a thread of their own, as a module that two threads
+    rather than before it; Dynamo's and Inductor's only where the forward is compiled
+    (`_run_left`). Never on a thread of their own, as a module that two threads
     import at once can be seen half-initialized (and such a thread slowed the read on the
     H200)."""
     steps: list[Callable[[], None]] = []
@@ -295,9 +296,15 @@ def backend_imports(device: str | None) -> list[Callable[[], None]]:
     return [*steps, _import_dynamo, _import_inductor]
 
 
-def _run_all(steps: list[Callable[[], None]]) -> None:
+def _run_left(steps: list[Callable[[], None]], compiled: bool) -> None:
+    """The backends' steps the pull left, those the load needs: Dynamo's and Inductor's
+    imports only for a compiled forward. An eager one (a package with no compiled forward
+    for the device, such as a CPU package, or one the server runs eagerly) never calls
+    them, and Inductor's import was half a second of a tiny CPU package's load, on the path
+    to ready (docs/performance.md)."""
     for step in steps:
-        step()
+        if compiled or step not in COMPILER_IMPORTS:
+            step()
 
 
 def _cublas_handle() -> None:
@@ -324,6 +331,10 @@ def _import_inductor() -> None:
 
     if AHEAD_OF_TIME:
         from flare.serve import precompiled  # noqa: F401
+
+
+COMPILER_IMPORTS = frozenset({_import_dynamo, _import_inductor})
+"""The steps only a compiled forward needs."""
 
 
 class _EngineSide:

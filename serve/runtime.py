@@ -90,7 +90,7 @@ def load_runtime(
     cuda_graphs: bool = True,
     batch_invariant: bool = False,
     prefill_graphs: bool | None = None,
-    beside_read: Callable[[], None] | None = None,
+    beside_read: Callable[[bool], None] | None = None,
 ) -> Runtime:
     """Load the package's model on `device` (fp32 on CPU, bf16 elsewhere unless `dtype` or
     the package's tuning says otherwise); `files` maps every blob's digest text to a local
@@ -112,8 +112,9 @@ def load_runtime(
     the model, its forward eager (`on_group_failure` hears of a step the ranks could not
     run); the caller has started the other ranks.
 
-    `beside_read` runs on this thread as soon as the weights' read has begun (the engine
-    process imports what the rest of the load needs there, rather than before the read)."""
+    `beside_read` runs on this thread as soon as the weights' read has begun, told whether
+    the forward is compiled (the engine process imports what the rest of the load needs
+    there, rather than before the read: the compiler's modules only for a compiled forward)."""
     world = group.world if group is not None else 1
     if batch_invariant:
         refuse_invariance_over_ranks(manifest.name, world)
@@ -137,7 +138,7 @@ def load_runtime(
     runtime: Runtime
     try:
         if beside_read is not None:
-            beside_read()
+            beside_read(prepared.forward != "eager")
         if kind == "embed":
             loading.wait()
             runtime, kv = EmbedRuntime(package, reading.result(), model), None

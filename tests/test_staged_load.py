@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import weakref
@@ -296,7 +297,7 @@ def test_what_runs_beside_the_read_fails_the_load_once_the_read_has_stopped(
     switch = sys.getswitchinterval()
     seen: list[str] = []
 
-    def fail() -> None:
+    def fail(compiled: bool) -> None:
         seen.append(threading.current_thread().name)
         raise RuntimeError("no backend here")
 
@@ -306,9 +307,31 @@ def test_what_runs_beside_the_read_fails_the_load_once_the_read_has_stopped(
     assert not [t for t in threading.enumerate() if t.name == WEIGHTS_THREAD]
     assert sys.getswitchinterval() == switch
     runtime = load_runtime(
-        manifest, host.files(manifest), cuda_graphs=False, beside_read=lambda: seen.append("ok")
+        manifest, host.files(manifest), cuda_graphs=False, beside_read=lambda c: seen.append(c)
     )
-    assert seen[1:] == ["ok"] and runtime.kind == "generate"
+    assert seen[1:] == [False] and runtime.kind == "generate"  # a CPU package: eager
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_compilers_imports_beside_the_read_are_left_out_for_an_eager_forward(
+    compiled: bool,
+) -> None:
+    """The backends' steps left when the package came run beside the read as the forward
+    needs them: in a fresh interpreter, as the engine process is, an eager forward's load
+    imports neither Dynamo nor Inductor's compiler (half a second of a tiny CPU package's
+    start), a compiled one's imports both."""
+    script = (
+        "import sys\n"
+        "from flare.serve.engine_process import _run_left, backend_imports\n"
+        f"_run_left(backend_imports('cpu'), compiled={compiled})\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor.compile_fx')"
+        " if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300
+    )
+    imported = "['torch._dynamo', 'torch._inductor.compile_fx']" if compiled else "[]"
+    assert done.stdout.strip() == imported
 
 
 def test_an_engine_given_its_package_before_its_backends_reads_beside_them_and_answers(
