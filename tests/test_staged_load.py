@@ -295,7 +295,7 @@ def test_what_runs_beside_the_read_fails_the_load_once_the_read_has_stopped(
 
     host, manifest = cache
     switch = sys.getswitchinterval()
-    seen: list[str] = []
+    seen: list[str | bool] = []
 
     def fail(compiled: bool) -> None:
         seen.append(threading.current_thread().name)
