@@ -7,9 +7,10 @@ needs Dynamo's and Inductor's imports: 1.1 s and 1.9 s of the engine's main thre
 H200's host, on the path to ready (docs/performance.md). AOTInductor compiles an exported
 graph into a shared library with a C++ wrapper, which `torch._C._aoti.AOTIModelPackageLoader`
 loads and runs with neither import. This script measures what that would change, on one
-Llama of random weights, each graph exported with the same inputs as flare's (weights and
-the layer's index as inputs, attention as the `flare::paged_attention` operator, the token
-and row dimensions dynamic), so a package of code alone serves every layer:
+Llama of random weights (heads 64 wide, four query heads a KV head, as Llama-3.2-1B's),
+each graph exported with the same inputs as flare's (weights and the layer's index as
+inputs, attention as the `flare::paged_attention` operator, the token and row dimensions
+dynamic), so a package of code alone serves every layer:
 
 - a build, in a process of its own: the graphs compiled both ways into one folder;
 - `--repeat` starts of each way in turn, each in a fresh process: torch's and flare's imports
@@ -108,7 +109,9 @@ device = torch.device(device)
 dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 imported = time.perf_counter() - began
 torch.manual_seed(0)
-model = empty_model("llama", 2, llama_config(2000, hidden, layers, 8, 4), device, dtype)
+heads = hidden // 64  # Llama-3.2-1B's heads at hidden 2048: 64 wide, four queries a KV head
+config = llama_config(2000, hidden, layers, heads, max(1, heads // 4))
+model = empty_model("llama", 2, config, device, dtype)
 with torch.no_grad():
     for parameter in model.parameters():
         parameter.normal_(0, 0.05)
