@@ -204,9 +204,8 @@ class LayerGraph(nn.Module):
     # a decoder layer with its weights and its index as inputs: one graph for every layer
     def __init__(self, template):
         super().__init__()
-        self.call = template.forward
         self.names = [name for name, _ in template.named_parameters()]
-        self.template = [template]
+        self.template = [template]  # in a list: not a submodule, whose weights export would keep
 
     def forward(self, residual, x, rotary, index, *tensors):
         layer = self.template[0]
