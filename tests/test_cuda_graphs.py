@@ -170,11 +170,12 @@ def test_a_capture_without_a_run_first_that_fails_is_made_again_after_one(shared
     """A start captures most graphs without running their step first (`captured`); one
     whose capture raises (here a wait for the device, which no capture allows) is run once,
     then captured again, and its graph replays the step's work on new inputs. In a pool that
-    other graphs share (a start's), too: the broken capture's end fails before the allocator
-    stops recording into the pool, and the retry, and the set's next graph, capture into it."""
+    other graphs share (a start's), too: torch leaves the broken capture's pool recording, and
+    the retry and the set's next graph (which a start captures into the pool of the graph
+    before) still capture, and every graph replays its own work."""
     x = torch.ones(4, device="cuda")
     capturing: list[bool] = []
-    first = captured(lambda: x + 1, None, warm=False)[0] if shared else None
+    first, first_out = captured(lambda: x + 1, None, warm=False) if shared else (None, None)
     pool = first.pool() if first is not None else None
 
     def step() -> torch.Tensor:
@@ -185,10 +186,13 @@ def test_a_capture_without_a_run_first_that_fails_is_made_again_after_one(shared
 
     graph, out = captured(step, pool, warm=False)
     assert capturing == [True, False, True]
-    after, added = captured(lambda: x + 5, pool if shared else graph.pool(), warm=False)
+    after, added = captured(lambda: x + 5, graph.pool(), warm=False)
     x.fill_(3)
     graph.replay()
     after.replay()
+    if first is not None:
+        first.replay()
+        assert first_out.tolist() == [4.0] * 4
     assert out.tolist() == [6.0] * 4 and added.tolist() == [8.0] * 4
 
 

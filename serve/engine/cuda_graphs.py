@@ -298,7 +298,10 @@ def captured(
     (cuBLAS loads the kernels of a larger product, the capture stream's workspace is made);
     the rest are captured without a run, as vLLM captures (no warm-up run a size by default),
     which halves the forward's calls in the capture and leaves out the GPU work of each
-    prefill shape's run. A capture without a run that fails is made again after one."""
+    prefill shape's run. A capture without a run that fails is made again after one, in a
+    pool of its own, which the set's next graphs share (the callers take each graph's pool for
+    the next): torch 2.11 leaves a failed capture's pool recording, where no later capture
+    may begin (`_stop_allocating_to`)."""
     if warm:
         step()
         torch.cuda.synchronize()
@@ -309,7 +312,7 @@ def captured(
     except RuntimeError:
         if warm:
             raise
-    return captured(step, pool, warm=True)
+    return captured(step, None, warm=True)
 
 
 @contextmanager
@@ -346,11 +349,13 @@ def recording(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None) -> Iter
 
 
 def _stop_allocating_to(device: int, pool: tuple[int, int]) -> None:
-    """End the caching allocator's recording into `pool` after a capture whose end failed
-    (one that its step broke: `capture_end` raises before it ends the recording), so that the
-    next capture into the pool, a retry or the set's next graph, may begin: it failed with
-    "already recording to mempool_id" (seen on the H200, where a wait from another thread
-    broke a capture). Nothing to end where the failed end had ended it."""
+    """End the device caching allocator's recording into `pool` after a capture whose end
+    failed (one that its step broke: `capture_end` raises before it ends the recording), so
+    that its allocations stop going to a capture that is over. Nothing to end where the failed
+    end had ended it. It does not free the pool for another capture: in torch 2.11 the next
+    capture into it still fails with "already recording to mempool_id" (on the H100, a probe
+    of the twenty-sixth session: a recording this cannot end, the host allocator's), so a
+    retry captures into a pool of its own (`captured`)."""
     with suppress(RuntimeError):
         torch._C._cuda_endAllocateToPool(device, pool)
 

@@ -306,12 +306,12 @@ FIGURES = (
 
 def run(script: str, *args: str) -> dict[str, object]:
     """`script` in a fresh process (what a start is): its last line's JSON, or where the
-    process failed, `failed` and the end of what it printed on stderr."""
-    done = subprocess.run(
-        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=3600
-    )
-    if done.returncode != 0:
-        return {"way": args[0], "failed": done.stderr[-3000:]}
+    process failed, `failed`: its exit status and the ends of what it printed."""
+    command = [sys.executable, "-X", "faulthandler", "-c", script, *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:  # a signal's death prints nothing but faulthandler's stacks
+        ends = f"stderr: {done.stderr[-2500:]}; stdout: {done.stdout[-500:]}"
+        return {"way": args[0], "failed": f"exit {done.returncode}; {ends}"}
     return json.loads(done.stdout.splitlines()[-1])
 
 
