@@ -31,9 +31,11 @@ dynamic), so a package of code alone serves every layer:
 
 Prints JSON: each start's figures, their medians, and the logits' largest distance from
 eager's. What fails is reported and the rest still measured, for one device call to tell as
-much as it can: a graph AOTInductor does not compile (`aoti_failed`: then only the
-precompiled graphs start), a start's process that fails (`failed`, its stderr's end), a
-capture that fails (`graphs_captured`, the error in place of the seconds: its steps then run
+much as it can: a graph AOTInductor does not compile (`aoti_failed`), or a torch that does
+not load AOTInductor's packages on the device at all (`aoti_loads_here`, a product compiled
+and loaded in a process of its own): then only the precompiled graphs start; a start's
+process that fails (`failed`: its exit status, the ends of its output); a capture that
+fails (`graphs_captured`, the error in place of the seconds: its steps then run
 without graphs). Nothing asserts on time.
 """
 
@@ -297,6 +299,30 @@ print(json.dumps({
 )
 
 
+LOADS = """
+import json, sys, tempfile
+from pathlib import Path
+
+import torch
+
+device = torch.device(sys.argv[2])
+
+
+class Product(torch.nn.Module):
+    def forward(self, x, w):
+        return torch.relu(x @ w) + 1
+
+
+x, w = torch.randn(8, 64, device=device), torch.randn(64, 64, device=device)
+path = str(Path(tempfile.mkdtemp()) / "product.pt2")
+torch._inductor.aoti_compile_and_package(torch.export.export(Product(), (x, w)), package_path=path)
+loaded = torch._inductor.aoti_load_package(path)
+print(json.dumps({"max_abs": float((loaded(x, w) - Product()(x, w)).abs().max())}))
+"""
+"""Whether this torch loads an AOTInductor package on the device at all: a product and an
+add, no flare (torch 2.11.0+cu130 on the device's CUDA hosts dies of a segmentation fault in
+the load, twenty-sixth session)."""
+
 FIGURES = (
     *("imports_s", "backend_imports_s", "load_s", "warm_up_s", "ready_s", "dynamo_import_s"),
     *("decode_step_ms", "max_abs_from_eager"),
@@ -338,7 +364,10 @@ def main() -> int:
         if "failed" in build:
             print(json.dumps(report, indent=2))
             return 1
-        aoti = [] if build["aoti_failed"] else ["aoti", "aoti-no-dynamo"]
+        loads = run(LOADS, "loads", args.device)
+        report["aoti_loads_here"] = loads.get("failed", True)
+        usable = not build["aoti_failed"] and "failed" not in loads
+        aoti = ["aoti", "aoti-no-dynamo"] if usable else []
         starts: dict[str, list[dict[str, object]]] = {way: [] for way in ["precompiled", *aoti]}
         for _ in range(args.repeat):
             for way, figures in starts.items():
