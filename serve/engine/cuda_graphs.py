@@ -353,9 +353,9 @@ def _stop_allocating_to(device: int, pool: tuple[int, int]) -> None:
     failed (one that its step broke: `capture_end` raises before it ends the recording), so
     that its allocations stop going to a capture that is over. Nothing to end where the failed
     end had ended it. It does not free the pool for another capture: in torch 2.11 the next
-    capture into it still fails with "already recording to mempool_id" (on the H100, a probe
-    of the twenty-sixth session: a recording this cannot end, the host allocator's), so a
-    retry captures into a pool of its own (`captured`)."""
+    capture into it still fails with "already recording to mempool_id" (a probe on the H100,
+    twenty-sixth session: something else keeps recording), so a retry captures into a pool of
+    its own (`captured`)."""
     with suppress(RuntimeError):
         torch._C._cuda_endAllocateToPool(device, pool)
 
