@@ -226,8 +226,10 @@ def serve_command(
         with uncollected(freeze=True):  # torch's among them: a quarter off (serve/heap.py)
             from flare.build.commands import build_to_serve, is_source
             from flare.serve.launch import serving_leases
+            from flare.serve.runtime import refuse_prefill_graphs_alone
             from flare.serve.server import listen, run_server, url_of
 
+        refuse_prefill_graphs_alone(cuda_graphs, prefill_graphs)
         sock = listen(host, port)
         if is_source(ref):  # a checkpoint folder or hub id: build it first, as vllm serve does
             ref = build_to_serve(ref, registry)

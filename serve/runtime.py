@@ -116,6 +116,7 @@ def load_runtime(
     the forward is compiled (the engine process imports what the rest of the load needs
     there, rather than before the read: the compiler's modules only for a compiled forward)."""
     world = group.world if group is not None else 1
+    refuse_prefill_graphs_alone(cuda_graphs, prefill_graphs)
     if batch_invariant:
         refuse_invariance_over_ranks(manifest.name, world)
         refuse_padded_invariance(prefill_graphs)
@@ -184,6 +185,18 @@ def refuse_padded_invariance(prefill_graphs: bool | None) -> None:
         raise InvalidInputError(
             "--prefill-graphs pads each prefill step; --batch-invariant prefills each "
             "prompt alone and unpadded",
+            "serve with one of the two",
+        )
+
+
+def refuse_prefill_graphs_alone(cuda_graphs: bool, prefill_graphs: bool | None) -> None:
+    """Prefill graphs are captured beside the decode graphs, into their pool, and only where
+    those are: asked for with the decode graphs off (None is not asking), refused rather than
+    silently not captured."""
+    if prefill_graphs and not cuda_graphs:
+        raise InvalidInputError(
+            "--prefill-graphs replays prefill steps from CUDA graphs, which --no-cuda-graphs "
+            "turns off",
             "serve with one of the two",
         )
 

@@ -111,13 +111,19 @@ def test_prefill_graphs_are_refused_with_batch_invariance(tmp_path: Path) -> Non
     with pytest.raises(InvalidInputError, match="--prefill-graphs pads each prefill step"):
         load_runtime(manifest, files, "cpu", batch_invariant=True, prefill_graphs=True)
     assert isinstance(load_runtime(manifest, files, "cpu", batch_invariant=True), GenerateRuntime)
+    with pytest.raises(InvalidInputError, match="which --no-cuda-graphs turns off"):
+        load_runtime(manifest, files, "cpu", cuda_graphs=False, prefill_graphs=True)
+    unasked = load_runtime(manifest, files, "cpu", cuda_graphs=False, prefill_graphs=False)
+    assert isinstance(unasked, GenerateRuntime)
 
 
 def test_the_serve_command_refuses_both_flags_in_one_line_and_loads_nothing(
     tmp_path: Path, flare_env: dict[str, str]
 ) -> None:
-    """`flare serve --prefill-graphs --batch-invariant`: exit 4, one line naming both flags
-    and what to do, before the engine loads a weight (no memory plan printed)."""
+    """`flare serve --prefill-graphs --batch-invariant`, and `--prefill-graphs
+    --no-cuda-graphs` (prefill graphs are captured only beside decode graphs): exit 4, one
+    line naming both flags and what to do, before the engine loads a weight (no memory plan
+    printed)."""
     source = make_tiny_llama(tmp_path / "tiny")
     flare(flare_env, "key", "generate", "--publisher", "alice")
     flare(flare_env, "build", str(source), "--name", "tiny")
@@ -128,6 +134,12 @@ def test_the_serve_command_refuses_both_flags_in_one_line_and_loads_nothing(
     assert lines == [
         "error: --prefill-graphs pads each prefill step; --batch-invariant prefills each "
         "prompt alone and unpadded; serve with one of the two"
+    ], done.stderr
+    done = flare(flare_env, *serve, "--no-cuda-graphs", check=False)
+    assert done.returncode == 4, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: --prefill-graphs replays prefill steps from CUDA graphs, which "
+        "--no-cuda-graphs turns off; serve with one of the two"
     ], done.stderr
 
 
