@@ -350,8 +350,9 @@ def recording(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None) -> Iter
 
 def _stop_allocating_to(device: int, pool: tuple[int, int]) -> None:
     """End the device caching allocator's recording into `pool` after a capture whose end
-    failed (one that its step broke: `capture_end` raises before it ends the recording), so
-    that its allocations stop going to a capture that is over. Nothing to end where the failed
+    failed (one that its step broke: `capture_end` raises before it ends the recording): while
+    a recording is open, every allocation on the device asks it whether the stream is its
+    capture's (a driver call), for the life of the process. Nothing to end where the failed
     end had ended it. It does not free the pool for another capture: in torch 2.11 the next
     capture into it still fails with "already recording to mempool_id" (a probe on the H100,
     twenty-sixth session: something else keeps recording), so a retry captures into a pool of
