@@ -20,8 +20,9 @@ from flare.build.kernel_cache import KernelCache, cache_key
 from flare.build.target import Preparation
 
 COMPILED_PATH = "runtime/forward-{target}.tar"
-FORWARD_FORMAT = 2
-"""Bumped when what compile produces changes meaning: older kernel-cache entries are not taken."""
+FORWARD_FORMAT = 3
+"""Bumped when what compile produces changes meaning: older kernel-cache entries are not taken
+(3: a CUDA forward's archive holds its kernels, no Inductor graph)."""
 NOT_SHAPES = (
     "_name_or_path",
     "transformers_version",

@@ -7,7 +7,12 @@ artifacts made with another toolchain never get here unless the server compiles 
 
 - runs the package's compiled forward: its archive is unpacked once into a folder of the host
   cache named by the archive's digest (shared by every server of it), Inductor is pointed at
-  it, and warm-up traces the step and loads the graph and its kernels: nothing is compiled;
+  it, and warm-up traces the step and loads the graph and its kernels: nothing is compiled.
+  On CUDA the forward runs eagerly on the archive's kernels instead: every operation of a
+  layer is one of flare's own kernels there (its products, norms, activation, KV store and
+  attention), called directly, so Inductor's graphs add nothing a CUDA graph's replay does
+  not, and leaving them out leaves Dynamo's and Inductor's imports out of the start (about
+  3 s on the H200's host: docs/performance.md);
 - compiles at start (`--compile-on-start`), into a folder of the host cache for this package
   and host, and says how long it took;
 - or runs eagerly: a package built before targets existed, or for target none, is uncompiled.
@@ -54,6 +59,9 @@ class RuntimeArtifacts:
     """The Inductor cache folder the forward runs from (compiled forwards)."""
     why: str = ""
     """Why the forward is eager, when it is."""
+    compiler: bool = False
+    """Whether the forward runs Inductor's graphs (a compiled forward on a CPU), so the load
+    needs Dynamo and Inductor; on CUDA a compiled forward is the archive's kernels alone."""
 
 
 def runtime_artifacts(
@@ -66,16 +74,17 @@ def runtime_artifacts(
     if compile_mode == "off":
         return RuntimeArtifacts("eager", None, why="compiling is off")
     decisions = _decisions(package, tuning.path) if tuning is not None else None
+    graphs = device != "cuda"
     if compile_mode == "start":
         key = Digest.parse(package.manifest.inputs).hex[:32]
         folder = _root(root) / "start" / f"{key}-{device}"
-        return RuntimeArtifacts("start", decisions, folder=folder)
+        return RuntimeArtifacts("start", decisions, folder=folder, compiler=graphs)
     if compiled is None:
         why = f"the package has no compiled forward for {device}"
         return RuntimeArtifacts("eager", None, why=why)
     archive = package.artifact(compiled.path)
     folder = _root(root) / Digest.parse(compiled.digest).hex
-    return RuntimeArtifacts("package", decisions, archive=archive, folder=folder)
+    return RuntimeArtifacts("package", decisions, archive, folder, compiler=graphs)
 
 
 def _decisions(package: PackageFiles, path: str) -> Decisions:
@@ -97,6 +106,9 @@ class StartReport:
     forward: str
     why: str = ""
     """Why the forward is eager, or (compiled) why its precompiled graphs were not loaded."""
+    compiler: bool = True
+    """Whether a compiled forward runs Inductor's graphs (RuntimeArtifacts.compiler), not the
+    kernels alone."""
     artifacts: float = 0.0
     """Seconds to unpack the compiled forward (0 when it already was) and point Inductor at it."""
     warm_up: float = 0.0
@@ -115,11 +127,15 @@ class StartReport:
         """How the forward runs and what its start made."""
         if self.forward == "eager":
             return f"forward uncompiled: {self.why}"
+        made = self.compilations.describe()
+        if self.forward == "package" and not self.compiler:
+            return f"forward on the package's kernels: {made}"
         if self.forward == "package":
-            text = f"forward compiled, from the package: {self.compilations.describe()}"
+            text = f"forward compiled, from the package: {made}"
             return text + (f" (precompiled graphs not loaded: {self.why})" if self.why else "")
         took = self.artifacts + self.warm_up
-        return f"forward compiled at start in {took:.1f} s: {self.compilations.describe()}"
+        what = "compiled" if self.compiler else "kernels built"
+        return f"forward {what} at start in {took:.1f} s: {made}"
 
     def timeline(
         self,

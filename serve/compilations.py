@@ -24,7 +24,8 @@ SHOWN = 3
 _events: Counter[str] = Counter()
 _built: list[str] = []
 _lock = threading.Lock()
-_watching = False
+_watching: set[str] = set()
+"""What `watch` counts already: `kernels`, `compiler`."""
 
 
 @dataclass(frozen=True)
@@ -66,25 +67,33 @@ class Compilations:
         return text + (f", {self.recorded} CUDA graphs recorded" if self.recorded else "")
 
 
-def watch() -> None:
-    """Count Dynamo's compile triggers from now on (idempotent). Call before the first
-    compile; without it a process that never imports the compiler counts nothing, truly."""
-    global _watching
+def watch(compiler: bool = True) -> None:
+    """Count from now on each Triton kernel built and, with `compiler`, Dynamo's compile
+    triggers (idempotent). Call before the first compile; without it a process that never
+    imports the compiler counts nothing, truly. A forward that never compiles (on CUDA,
+    where it calls flare's kernels directly) watches kernels only: watching Dynamo imports
+    it, a second or more of a start (its graphs, where Dynamo is imported later all the same,
+    still show in Inductor's counters, which `snapshot` reads)."""
     with _lock:
-        if _watching:
-            return
-        from torch._dynamo.callback import CallbackTrigger, callback_handler
+        if "kernels" not in _watching:
+            _watch_triton()
+            _watching.add("kernels")
+        if compiler and "compiler" not in _watching:
+            _watch_dynamo()
+            _watching.add("compiler")
 
-        def started(args: object) -> None:
-            trigger = getattr(args, "callback_trigger", None)
-            if trigger is CallbackTrigger.CUDAGRAPH_RECORDING:
-                note("recorded")
-            elif trigger is not CallbackTrigger.TRITON_AUTOTUNING:
-                note("traced")
 
-        callback_handler.register_start_callback(started)
-        _watch_triton()
-        _watching = True
+def _watch_dynamo() -> None:
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    def started(args: object) -> None:
+        trigger = getattr(args, "callback_trigger", None)
+        if trigger is CallbackTrigger.CUDAGRAPH_RECORDING:
+            note("recorded")
+        elif trigger is not CallbackTrigger.TRITON_AUTOTUNING:
+            note("traced")
+
+    callback_handler.register_start_callback(started)
 
 
 def _watch_triton() -> None:

@@ -123,25 +123,22 @@ def use_cache_folder(folder: Path) -> None:
     its first launch) lands in the folder that is packed, and a server finds it there."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     os.environ["TRITON_CACHE_DIR"] = str(folder / "triton" / "0")
-    pin_triton_tools()
+    pin_triton_ptxas()
 
 
-def pin_triton_tools() -> None:
-    """Point Triton at the ptxas (and libdevice) Inductor gives it, now, before anything
-    compiles. Inductor sets them (TRITON_PTXAS_PATH: torch's own ptxas) in the process that
-    compiles its kernels: its compile workers at build, the engine process itself at serve
-    (one compile thread there). Triton keys every kernel with its ptxas's version, so a
-    kernel flare launches itself (`few_rows`, the KV store, the norm) was keyed with
-    Triton's ptxas at build and with torch's at serve, missed in the package, and built again
-    at every start (tests/bench/gpu_start_kernels.py). Set first in both, the keys agree."""
-    try:
-        from torch._inductor.runtime import compile_tasks
-    except ImportError:  # a torch without Inductor's runtime compiles nothing here
-        return
-    for name in ("_set_triton_ptxas_path", "_set_triton_libdevice_path"):
-        pin = getattr(compile_tasks, name, None)
-        if pin is not None:
-            pin()
+def pin_triton_ptxas() -> None:
+    """Point Triton at torch's own ptxas, now, before anything compiles, as Inductor does in
+    the processes that compile its kernels (its compile workers at build, the process itself
+    where it compiles on one thread). Triton keys every kernel with its ptxas's version, so a
+    kernel flare launches itself (`few_rows`, the KV store, the norm) keyed with Triton's
+    ptxas at build and with torch's at serve was missed in the package and built again at
+    every start (tests/bench/gpu_start_kernels.py). Inductor's own setter is not called: its
+    import imports Dynamo and Inductor, which a CUDA start, whose forward calls flare's
+    kernels directly, never needs. Its rule is kept: torch's `bin/ptxas` (where torch 2.11's
+    CUDA wheel has it) where that is an executable file, unless TRITON_PTXAS_PATH is set."""
+    ptxas = Path(torch.__file__).parent / "bin" / "ptxas"
+    if "TRITON_PTXAS_PATH" not in os.environ and ptxas.is_file() and os.access(ptxas, os.X_OK):
+        os.environ["TRITON_PTXAS_PATH"] = str(ptxas)
 
 
 class CompiledForward:
@@ -220,9 +217,8 @@ class CompiledForward:
     def _load(self, folder: Path) -> None:
         """Load the graphs saved in `folder`; none where one does not load here (a torch,
         Python or GPU other than the build's): the forward is traced instead, and says why."""
-        from flare.serve import install_hashes, precompiled
+        from flare.serve import precompiled
 
-        install_hashes.wait()  # loading a graph loads its kernels, which needs Triton's hash
         graphs = {}
         try:
             for kind in KINDS:

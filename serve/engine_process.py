@@ -278,32 +278,30 @@ def make_context(asked: str | None) -> str | None:
 def backend_imports(device: str | None) -> list[Callable[[], None]]:
     """What loading a generating package needs beyond the weights' read, in steps: on CUDA
     cuBLAS's handle, FlashInfer's import and Triton's install hash (begun on a thread of its
-    own, which imports nothing: serve/install_hashes.py); Dynamo's and Inductor's imports (and the
-    precompiled graphs' loader). Each used to run after the package was known, on the path to
+    own, which imports nothing: serve/install_hashes.py); elsewhere Dynamo's and Inductor's
+    imports (and the precompiled graphs' loader), which a CUDA forward never needs (it calls
+    flare's kernels directly: serve/artifacts.py), and Dynamo's import alone took over a
+    second of the H200's host. Each used to run after the package was known, on the path to
     ready (docs/performance.md). `engine_main` runs them while the pull goes on, looking for
-    the package between steps (Dynamo's import alone takes over a second on the H200's host):
-    the package known, the steps left run on the main thread beside the weights' read
-    (load_runtime's `beside_read`), which takes a second or more for billions of parameters,
-    rather than before it; Dynamo's and Inductor's only where the forward is compiled
-    (`_run_left`). Never on a thread of their own, as a module that two threads
-    import at once can be seen half-initialized (and such a thread slowed the read on the
-    H200)."""
-    steps: list[Callable[[], None]] = []
-    if device == "cuda":
-        steps.append(_cublas_handle)
-        steps.append(_import_flashinfer)
-        steps.append(install_hashes.start)  # on a thread: the graphs' load waits for it
-    return [*steps, _import_dynamo, _import_inductor]
+    the package between steps: the package known, the steps left run on the main thread
+    beside the weights' read (load_runtime's `beside_read`), which takes a second or more for
+    billions of parameters, rather than before it; Dynamo's and Inductor's only where the
+    forward runs Inductor's graphs (`_run_left`). Never on a thread of their own, as a module
+    that two threads import at once can be seen half-initialized (and such a thread slowed
+    the read on the H200)."""
+    if device == "cuda":  # the hash on a thread: the first kernel's load waits for it
+        return [_cublas_handle, _import_flashinfer, install_hashes.start]
+    return [_import_dynamo, _import_inductor]
 
 
-def _run_left(steps: list[Callable[[], None]], compiled: bool) -> None:
+def _run_left(steps: list[Callable[[], None]], compiler: bool) -> None:
     """The backends' steps the pull left, those the load needs: Dynamo's and Inductor's
-    imports only for a compiled forward. An eager one (a package with no compiled forward
-    for the device, such as a CPU package, or one the server runs eagerly) never calls
-    them, and Inductor's import was half a second of a tiny CPU package's load, on the path
-    to ready (docs/performance.md)."""
+    imports only for a forward that runs Inductor's graphs. An eager one (a package with no
+    compiled forward for the device, such as a CPU package, or one the server runs eagerly)
+    never calls them, and Inductor's import was half a second of a tiny CPU package's load,
+    on the path to ready (docs/performance.md)."""
     for step in steps:
-        if compiled or step not in COMPILER_IMPORTS:
+        if compiler or step not in COMPILER_IMPORTS:
             step()
 
 

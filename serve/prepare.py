@@ -10,12 +10,15 @@ is packed) and with TORCHINDUCTOR_CACHE_DIR set before the compiler is imported.
 PYTHONHASHSEED so nothing ordered by a string hash differs between builds.
 
 tune writes the tuning records (serve/tuning.py). compile writes `forward.tar`, the Inductor
-cache folder of the compiled forward (serve/inductor_archive.py) with, on CUDA, the FlashInfer
+cache folder of the compiled forward (serve/inductor_archive.py), and `result.json`: the
+shapes it covers and what compiling it took. On a CPU the folder holds Inductor's graphs of
+the forward and their kernels. On CUDA, where a forward calls flare's own kernels directly
+and runs eagerly on them (serve/artifacts.py), it holds those kernels: the FlashInfer
 modules its attention built (serve/flashinfer_modules.py) and the Triton kernels of its
-few-row products at every block of rows they take (serve/models/linear.py), of its decode
-graphs' inputs and greedy picks (serve/engine/graph_step.py) and of their attention
-(serve/engine/decode_attention.py), and `result.json`: the
-shapes it covers and what compiling it took. A failure prints one line on stderr and exits 1.
+norms, activation and KV store, of its few-row products at every block of rows they take
+(serve/models/linear.py), of its decode graphs' inputs and greedy picks
+(serve/engine/graph_step.py) and of their attention (serve/engine/decode_attention.py). A
+failure prints one line on stderr and exits 1.
 """
 
 from __future__ import annotations
@@ -46,11 +49,12 @@ WARM_UP_BLOCKS = 16
 
 
 def compile_forward(spec: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Compile the forward of the spec's model shapes in a fresh Inductor cache under `out`,
-    pack that cache, and say what it covers."""
+    """Compile the forward of the spec's model shapes in a fresh Inductor cache under `out`
+    (on CUDA, only the kernels it runs), pack that cache, and say what it covers."""
     started = time.perf_counter()
+    cuda = spec["target"] == "cuda"
     use_cache_folder(out / "inductor")
-    if spec["target"] == "cuda":
+    if cuda:
         flashinfer_modules.build_into(out)
     decisions = Decisions.from_records(spec["records"])
     device, dtype = torch.device(spec["target"]), decisions.torch_dtype
@@ -66,22 +70,21 @@ def compile_forward(spec: dict[str, Any], out: Path) -> dict[str, Any]:
         device,
         decisions.variant,
     )
-    forward = CompiledForward(model)
+    compilations.watch(compiler=not cuda)
+    forward = None if cuda else CompiledForward(model)
     runner = ModelRunner(model, attention, block, device, forward)
     before = compilations.snapshot()
     warm_up(runner, BlockManager(WARM_UP_BLOCKS, block))
-    if spec["target"] == "cuda":
+    if cuda:
         linear.build_kernels(device)
     if isinstance(attention, FlashInferPagedAttention):  # it serves decodes from CUDA graphs
         graph_step.build_kernels(model.vocab_size, dtype, device)
         decode_attention.build_kernels(model.attention_spec, block, dtype, device)
     made = compilations.snapshot() - before
-    if made.compiled != forward.graphs or made.traced != forward.graphs:
-        raise RuntimeError(
-            f"the forward compiled into {made.describe()}, not {forward.graphs} graphs"
-        )
-    forward.save(out / "inductor" / PRECOMPILED)
-    modules = flashinfer_modules.collect(out, out / "inductor") if spec["target"] == "cuda" else []
+    if forward is not None:
+        _check_graphs(made, forward)
+        forward.save(out / "inductor" / PRECOMPILED)
+    modules = flashinfer_modules.collect(out, out / "inductor") if cuda else []
     if decisions.backend == "flashinfer" and not modules:
         raise RuntimeError("FlashInfer built no kernel module in the compile's workspace")
     members = pack(out / "inductor", out / ARCHIVE)
@@ -96,8 +99,17 @@ def compile_forward(spec: dict[str, Any], out: Path) -> dict[str, Any]:
         "members": len(members),
         "kernels": made.kernels,
         "seconds": time.perf_counter() - started,
-        "not_ahead": forward.not_ahead,
+        "not_ahead": forward.not_ahead if forward is not None else "",
     }
+
+
+def _check_graphs(made: compilations.Compilations, forward: CompiledForward) -> None:
+    """A warm-up traces and compiles each of the forward's graphs once: more is a recompile,
+    which a batch of another size would cause at serve."""
+    if made.compiled != forward.graphs or made.traced != forward.graphs:
+        raise RuntimeError(
+            f"the forward compiled into {made.describe()}, not {forward.graphs} graphs"
+        )
 
 
 def main(argv: list[str]) -> int:

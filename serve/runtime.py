@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from flare.errors import InvalidInputError, NoSpaceError
-from flare.serve import compilations, flashinfer_modules
+from flare.serve import compilations, flashinfer_modules, install_hashes
 from flare.serve.artifacts import RuntimeArtifacts, StartReport, runtime_artifacts
 from flare.serve.compilations import Compilations
 from flare.serve.compiled import CompiledForward, use_cache_folder, warm_up
@@ -139,7 +139,7 @@ def load_runtime(
     runtime: Runtime
     try:
         if beside_read is not None:
-            beside_read(prepared.forward != "eager")
+            beside_read(prepared.compiler)
         if kind == "embed":
             loading.wait()
             runtime, kv = EmbedRuntime(package, reading.result(), model), None
@@ -516,7 +516,9 @@ def _start_forward(
     blocks: BlockManager,
 ) -> tuple[ModelRunner, StartReport]:
     """The runner with its forward as `prepared` says, warmed up when compiled: unpacking
-    and pointing Inductor at the compiled forward, then its first steps, each timed."""
+    and pointing Triton (and Inductor, for its graphs) at the compiled forward's folder, then
+    its first steps, each timed. Without the compiler (CUDA), the forward is the model's own,
+    its kernels the folder's."""
     if prepared.forward == "eager":
         return ModelRunner(model, attention, block, device), StartReport("eager", prepared.why)
     started = time.perf_counter()
@@ -526,17 +528,23 @@ def _start_forward(
     use_cache_folder(prepared.folder)
     if device.type == "cuda":
         flashinfer_modules.use_modules(prepared.folder)
+    compilations.watch(compiler=prepared.compiler)
+    install_hashes.wait()  # loading a kernel needs Triton's hash: not made twice
     before = compilations.snapshot()
-    forward = CompiledForward(model, prepared.folder / PRECOMPILED)
+    forward = CompiledForward(model, prepared.folder / PRECOMPILED) if prepared.compiler else None
     runner = ModelRunner(model, attention, block, device, forward)
     report = StartReport(
-        prepared.forward, why=forward.not_loaded, artifacts=time.perf_counter() - started
+        prepared.forward,
+        why=forward.not_loaded if forward else "",
+        compiler=prepared.compiler,
+        artifacts=time.perf_counter() - started,
     )
     started = time.perf_counter()
     warm_up(runner, blocks)
-    forward.trust_guards()
-    if prepared.forward == "start":  # a later start of this package on this host loads them
-        forward.save(prepared.folder / PRECOMPILED)
+    if forward is not None:
+        forward.trust_guards()
+        if prepared.forward == "start":  # a later start of this package on this host loads them
+            forward.save(prepared.folder / PRECOMPILED)
     report.warm_up = time.perf_counter() - started
     report.compilations = compilations.snapshot() - before
     return runner, report

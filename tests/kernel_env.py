@@ -18,8 +18,8 @@ DTYPE = torch.bfloat16 if CUDA else torch.float16
 """bf16 as a model serves; the interpreter's NumPy has no bf16, so half there."""
 if CUDA:  # keyed as serve keys them: a kernel compiled here first fixes Triton's ptxas for
     # the process, and a package loaded after it would find none of its kernels
-    from flare.serve.compiled import pin_triton_tools
+    from flare.serve.compiled import pin_triton_ptxas
 
-    pin_triton_tools()
+    pin_triton_ptxas()
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="needs CUDA and Triton (or its interpreter)")
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers.models.llama.modeling_llama as hf_llama
 
-from flare.serve.models.rms_norm import RMSNorm
+from flare.serve.models.rms_norm import RMSNorm, rms_norm
 
 CUDA = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
@@ -39,9 +39,10 @@ def test_the_sum_and_its_norm_are_transformers(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("size", [2048, 4096, 8192, 100])
 @pytest.mark.parametrize("rows", [1, 3, 64])
 def test_the_cuda_kernel_gives_what_the_torch_operations_give(size: int, rows: int) -> None:
-    """The one kernel against the torch path on the same GPU, bf16: the sum bitwise; the norm
-    within one bf16 rounding step (the sum of squares is added in another order), and the
-    same value on nearly every element."""
+    """The one kernel against the torch operations on the same GPU, bf16, with the residual
+    (`add`) and without (a layer's first norm): the sum bitwise; the norm within one bf16
+    rounding step (the sum of squares is added in another order), and the same value on
+    nearly every element."""
     norm = _norm(size, "cuda", torch.bfloat16)
     generator = torch.Generator(device="cuda").manual_seed(size + rows)
     x, residual = (
@@ -50,8 +51,9 @@ def test_the_cuda_kernel_gives_what_the_torch_operations_give(size: int, rows: i
     )
     normed, summed = norm.add(x, residual)
     want_sum = x + residual
-    want = norm(want_sum)
     assert torch.equal(summed, want_sum)
-    step = want.float().abs() * 2**-7
-    assert ((normed.float() - want.float()).abs() <= step + 1e-30).all()
-    assert (normed == want).float().mean() >= 0.99
+    for got, of in ((normed, want_sum), (norm(x), x)):
+        want = rms_norm(of, norm.weight, norm.eps)
+        step = want.float().abs() * 2**-7
+        assert ((got.float() - want.float()).abs() <= step + 1e-30).all()
+        assert (got == want).float().mean() >= 0.99

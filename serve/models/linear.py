@@ -14,10 +14,13 @@ Every output element is summed in the same order whatever the number of rows (th
 the split depend on the weight's shape alone), so a sequence's row gets the same bits in a
 batch of 1 or of 16: what batch-invariant decoding needs of its products.
 
-`linear(x, weight, bias)` is the one entry the model uses: an opaque `flare::linear`
-operator on CUDA (a compiled forward keeps one graph for every row count, and the operator
-decides per call: `few_rows` up to FEW_ROWS rows, or MOST_ROWS where the server keeps
-batches invariant (`keep_rows_invariant`), cuBLAS above), plain `F.linear` elsewhere.
+`linear(x, weight, bias)` is the one entry the model uses. On CUDA it decides per call:
+`few_rows` up to FEW_ROWS rows, or MOST_ROWS where the server keeps batches invariant
+(`keep_rows_invariant`), cuBLAS above; inside a compile it is the opaque `flare::linear`
+operator (a compiled forward keeps one graph for every row count and the operator decides
+when it runs), and outside one the same function called directly: a custom operator's eager
+call imports Dynamo and Inductor (torch's `_disable_dynamo`, 1-3 s of a start on the H200's
+host) and costs tens of microseconds of dispatch. Elsewhere, plain `F.linear`.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """x @ weight.T + bias for x [rows, k]: `flare::linear` on CUDA, else `F.linear`."""
     if triton is None or not x.is_cuda:
         return F.linear(x, weight, bias)
-    out = torch.ops.flare.linear(x, weight)
+    compiling = torch.compiler.is_compiling()
+    out = torch.ops.flare.linear(x, weight) if compiling else products(x, weight)
     return out if bias is None else out + bias
 
 
@@ -156,17 +160,18 @@ if triton is not None:
                 tl.store(out_at, summed.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
                 tl.atomic_xchg(counts_ptr + tile, 0)
 
-    @torch.library.custom_op("flare::linear", mutates_args=())
-    def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T: `few_rows` for few half-precision rows, cuBLAS otherwise. Opaque to
-        a compiled forward, which has one graph for every row count; a captured decode graph
-        records the kernel its size chose."""
+    def products(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T: `few_rows` for few half-precision rows, cuBLAS otherwise (a
+        captured decode graph records the kernel its size chose)."""
         if x.shape[0] > _row_limit or x.dtype not in HALF or x.shape[0] == 0:
             return F.linear(x, weight)
         _products.add((weight.shape[0], weight.shape[1], weight.dtype))
         return few_rows(x.contiguous(), weight)
 
-    @_linear.register_fake
+    _operator = torch.library.custom_op("flare::linear", products, mutates_args=())
+    """`products` as an operator opaque to a compile: one graph for every row count."""
+
+    @_operator.register_fake
     def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))
 

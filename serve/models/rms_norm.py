@@ -36,13 +36,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm of x: on CUDA outside a compile, the kernel with no residual (torch's
+        operations were seven kernels for a layer's first norm); inside one, the operations,
+        which the compiler fuses."""
+        if x.is_cuda and triton is not None and not torch.compiler.is_compiling():
+            return norm_rows(x, None, self.weight, self.eps)[0]
         return rms_norm(x, self.weight, self.eps)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the norm of x + residual, x + residual): the residual stream's next value and
-        what the next block reads."""
+        what the next block reads. Inside a compile on CUDA the kernel is the opaque
+        `flare::add_rms_norm`; outside one it is called directly (serve/models/linear.py
+        says why)."""
         if x.is_cuda and triton is not None:
-            return torch.ops.flare.add_rms_norm(x, residual, self.weight, self.eps)
+            if torch.compiler.is_compiling():
+                return torch.ops.flare.add_rms_norm(x, residual, self.weight, self.eps)
+            return norm_rows(x, residual, self.weight, self.eps)
         summed = x + residual
         return rms_norm(summed, self.weight, self.eps), summed
 
@@ -59,42 +68,57 @@ if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(
         x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr, cols, eps,
-        BLOCK: tl.constexpr, DEPENDENT: tl.constexpr,
+        BLOCK: tl.constexpr, DEPENDENT: tl.constexpr, ADD: tl.constexpr,
     ):  # fmt: skip
-        """One program per row (rows `cols` apart): the row's sum, its sum of squares, its
-        scaled norm. On CUDA only: tests/test_rms_norm.py checks it there. Launched as a
-        dependent, it reads the weight, waits for the kernel ahead, and lets the next launch."""
+        """One program per row (rows `cols` apart): the row's sum (with `ADD`; else the row
+        itself, nothing stored), its sum of squares, its scaled norm. On CUDA only:
+        tests/test_rms_norm.py checks it there. Launched as a dependent, it reads the weight,
+        waits for the kernel ahead, and lets the next launch."""
         at = tl.program_id(0).to(tl.int64) * cols + tl.arange(0, BLOCK)
         mask = tl.arange(0, BLOCK) < cols
         weight = tl.load(weight_ptr + tl.arange(0, BLOCK), mask=mask, other=0.0).to(tl.float32)
         if DEPENDENT:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        residual = tl.load(residual_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        summed = (x + residual).to(summed_ptr.dtype.element_ty)
-        tl.store(summed_ptr + at, summed, mask=mask)
-        values = summed.to(tl.float32)
+        x = tl.load(x_ptr + at, mask=mask, other=0.0)
+        if ADD:
+            residual = tl.load(residual_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            summed = (x.to(tl.float32) + residual).to(summed_ptr.dtype.element_ty)
+            tl.store(summed_ptr + at, summed, mask=mask)
+            values = summed.to(tl.float32)
+        else:
+            values = x.to(tl.float32)
         scale = tl.rsqrt(tl.sum(values * values, axis=0) / cols + eps)
         normed = (values * scale).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + at, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
-    @torch.library.custom_op("flare::add_rms_norm", mutates_args=())
-    def add_rms_norm(
-        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    def norm_rows(
+        x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the norm of x + residual, x + residual), both [rows, size]."""
+        """(the norm of x + residual, x + residual), both [rows, size]; without a residual,
+        (the norm of x, x)."""
         rows, cols = x.shape
+        x = x.contiguous()
         out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
-        summed = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+        summed = x if residual is None else torch.empty_like(out)
         block = triton.next_power_of_2(cols)
         warps = min(max(block // 512, 4), 16)
         dependent = chained(x.device)
         _add_rms_norm_kernel[(rows,)](
-            x.contiguous(), residual.contiguous(), weight, out, summed, cols, eps,
-            BLOCK=block, DEPENDENT=dependent, num_warps=warps, launch_pdl=dependent,
+            x, x if residual is None else residual.contiguous(), weight, out, summed, cols, eps,
+            BLOCK=block, DEPENDENT=dependent, ADD=residual is not None, num_warps=warps,
+            launch_pdl=dependent,
         )  # fmt: skip
         return out, summed
+
+    def _add_norm_rows(
+        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm_rows` with a residual, the signature an operator takes."""
+        return norm_rows(x, residual, weight, eps)
+
+    add_rms_norm = torch.library.custom_op("flare::add_rms_norm", _add_norm_rows, mutates_args=())
+    """`norm_rows` as an operator opaque to a compile."""
 
     @add_rms_norm.register_fake
     def _(

@@ -75,8 +75,8 @@ for stage in "$@"; do
       ${AGAINST:+--against "$AGAINST"} ;;
     aoti) python3 tests/bench/bench_aoti_start.py --device cuda --layers "${LAYERS:-16}" \
       --hidden "${HIDDEN:-2048}" --repeat 3 ;;
-    profile) python3 tests/bench/gpu_step_profile.py --shapes 1b --py-spy /tmp/site/bin/py-spy \
-      --out "$out/profile" ;;
+    profile) python3 tests/bench/gpu_step_profile.py --shapes "${SHAPES:-1b}" \
+      --py-spy /tmp/site/bin/py-spy ${STEP_PATHS:+--paths "$STEP_PATHS"} --out "$out/profile" ;;
     correct) python3 tests/bench/gpu_correctness.py --shapes "${SHAPES:-1b,8b}" --skip suite \
       --out "$out/correct" ;;
     minilm-part) cp .mlwa/gt-part-00 /tmp/gt-part-00 ;;
