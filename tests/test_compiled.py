@@ -617,6 +617,39 @@ def test_artifacts_for_another_toolchain_are_refused_unless_compiled_on_start(
         again.stop()
 
 
+def test_only_a_cpu_forward_needs_the_compiler(
+    host: Host, local_files: Any, tmp_path: Path
+) -> None:
+    """The start's plan: a CPU's compiled forward runs Inductor's graphs, so its load imports
+    Dynamo and Inductor; on CUDA a forward (from the package, or built at start) is flare's
+    kernels called directly, and its start imports neither; and the ready line says which."""
+    from flare.serve.artifacts import StartReport, runtime_artifacts
+    from flare.serve.models.files import PackageFiles
+
+    manifest = latest(host, ARCHITECTURES[0].lower())
+    package = PackageFiles(manifest, local_files(manifest))
+    plans = {
+        (device, mode): runtime_artifacts(package, device, mode, tmp_path)
+        for device in ("cpu", "cuda")
+        for mode in ("package", "start", "off")
+    }
+    assert [(p.forward, p.compiler) for p in plans.values()] == [
+        ("package", True), ("start", True), ("eager", False),
+        ("eager", False), ("start", False), ("eager", False),
+    ]  # fmt: skip
+    assert "no compiled forward for cuda" in plans["cuda", "package"].why
+    kernels = StartReport("package", compiler=False).describe()
+    assert (
+        kernels
+        == "forward on the package's kernels: 0 traced, 0 compiled (0 loaded), 0 kernels built"
+    )
+    assert (
+        StartReport("start", compiler=False, warm_up=2.0)
+        .describe()
+        .startswith("forward kernels built at start in 2.0 s")
+    )
+
+
 def test_a_package_without_artifacts_serves_uncompiled_and_says_so(host: Host) -> None:
     build = host.build(host.root / "LlamaForCausalLM", "eager", "--target", "none")
     assert not any(a.target for a in host.manifest(build["digest"]).artifacts)

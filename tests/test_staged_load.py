@@ -312,25 +312,25 @@ def test_what_runs_beside_the_read_fails_the_load_once_the_read_has_stopped(
     assert seen[1:] == [False] and runtime.kind == "generate"  # a CPU package: eager
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiler", [False, True])
 def test_the_compilers_imports_beside_the_read_are_left_out_for_an_eager_forward(
-    compiled: bool,
+    compiler: bool,
 ) -> None:
     """The backends' steps left when the package came run beside the read as the forward
     needs them: in a fresh interpreter, as the engine process is, an eager forward's load
     imports neither Dynamo nor Inductor's compiler (half a second of a tiny CPU package's
-    start), a compiled one's imports both."""
+    start), one that runs Inductor's graphs imports both."""
     script = (
         "import sys\n"
         "from flare.serve.engine_process import _run_left, backend_imports\n"
-        f"_run_left(backend_imports('cpu'), compiled={compiled})\n"
+        f"_run_left(backend_imports('cpu'), compiler={compiler})\n"
         "print(sorted(m for m in ('torch._dynamo', 'torch._inductor.compile_fx')"
         " if m in sys.modules))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300
     )
-    imported = "['torch._dynamo', 'torch._inductor.compile_fx']" if compiled else "[]"
+    imported = "['torch._dynamo', 'torch._inductor.compile_fx']" if compiler else "[]"
     assert done.stdout.strip() == imported
 
 
@@ -350,6 +350,8 @@ def test_an_engine_given_its_package_before_its_backends_reads_beside_them_and_a
         "_import_dynamo",
         "_import_inductor",
     ]
+    on_gpu = [step.__name__ for step in backend_imports("cuda")]  # its forward: flare's kernels
+    assert on_gpu == ["_cublas_handle", "_import_flashinfer", "start"]
     files = host.files(manifest)
     spec = EngineSpec(manifest, dict(files), "cpu", host.root, {"cuda_graphs": False})
     client = start_engine(spec, package_files(host, manifest), EngineProcess("cpu"))
