@@ -51,9 +51,16 @@ FORWARD_SOURCES = (
     "serve/engine/runner.py",
     "serve/compiled.py",
     "serve/precompiled.py",
+    "serve/engine/cache_store.py",
+    "serve/engine/decode_attention.py",
+    "serve/engine/graph_step.py",
+    "serve/engine/dependent_launch.py",
 )
 """flare's code a compiled forward is traced from (model, attention operator, the step's
-inputs, the compile settings): a change to it changes the graph Inductor looks up."""
+inputs, the compile settings): a change to it changes the graph Inductor looks up. And the
+modules of flare's Triton kernels, which a CUDA package's artifact holds built (the KV store,
+decode attention, the graphs' inputs and pick, how kernels launch, beside the model's): a
+change to one would otherwise miss the package's kernel and build it at every start."""
 
 
 def host_target() -> str:
