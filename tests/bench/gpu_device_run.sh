@@ -21,7 +21,8 @@
 #
 # Use: [GATE="tests/test_x.py ..."] bash tests/bench/gpu_device_run.sh STAGE...
 # Stages: gate (the GPU tests; each test that builds a CUDA package takes minutes on a fresh
-# host), launch, attend, serve1b, serve8b, profile, correct, minilm-part, suite (the CPU
+# host), launch, attend, serve1b, serve8b, profile (SHAPES; STEP_PATHS, a comma-separated
+# subset of runtime_package.PATHS), correct, minilm-part, suite (the CPU
 # suite's tiny checkpoints and the real MiniLM against transformers), load (the weights' read against
 # cat), beside (the read beside busy Python), start (a start's timeline under py-spy:
 # SHAPES, LAYERS; AGAINST=PARENT times starts of the flare tree in PARENT/flare in turn with
