@@ -2,12 +2,12 @@
 
 `gate_up` is [rows, 2 * inter], the gate's columns then the up's (the recipe's build-time
 layout, serve/models/llama.py). On CUDA one Triton kernel reads both halves once and writes the
-product, an opaque operator (`flare::silu_mul`) as `flare::add_rms_norm` is, so that it
-launches as a dependent of the kernel ahead on GPUs that take it
-(serve/engine/dependent_launch.py). Inductor's own kernel for these torch operations took 632
-µs a layer on an 8K-token prefill on the H200, about six times what reading 268 MB and writing
-134 MB costs, a quarter of that prefill's GPU time (docs/performance.md). Everywhere else,
-and where Triton is missing, the torch operations run.
+product, launched by flare (called directly, and inside a compile as the opaque operator
+`flare::silu_mul`, as the norm is) so that it launches as a dependent of the kernel ahead on
+GPUs that take it (serve/engine/dependent_launch.py). Inductor's own kernel for these torch
+operations took 632 µs a layer on an 8K-token prefill on the H200, about six times what
+reading 268 MB and writing 134 MB costs, a quarter of that prefill's GPU time
+(docs/performance.md). Everywhere else, and where Triton is missing, the torch operations run.
 
 The arithmetic is transformers' eager bf16: silu in float32, rounded to the model's dtype,
 then the product in float32, rounded.

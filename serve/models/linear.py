@@ -53,7 +53,8 @@ HALF = (torch.bfloat16, torch.float16)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias for x [rows, k]: `flare::linear` on CUDA, else `F.linear`."""
+    """x @ weight.T + bias for x [rows, k]: `products` on CUDA (inside a compile through the
+    `flare::linear` operator), else `F.linear`."""
     if triton is None or not x.is_cuda:
         return F.linear(x, weight, bias)
     compiling = torch.compiler.is_compiling()

@@ -5,11 +5,13 @@ then does the same with its MLP's output. Written as torch operations, Inductor 
 kernels of each on the H200 (the add, the sum of squares, the scaling: docs/performance.md),
 about 1.5 microseconds apiece with the seams between them, 48 kernels a step at 1B. On CUDA
 `add_rms_norm` does it in one Triton kernel that reads both inputs once and writes the sum and
-its norm, as vLLM's fused_add_rms_norm does. It is an opaque operator (`flare::add_rms_norm`),
-as `flare::linear` is, so that it launches as a dependent of the kernel ahead on GPUs that
-take it (serve/engine/dependent_launch.py), which a kernel that Inductor calls for a compiled
-forward cannot; its kernel comes from Triton's cache, which a package's compile phase packs.
-Everywhere else, and where Triton is missing, the same arithmetic runs as torch operations.
+its norm, as vLLM's fused_add_rms_norm does, and a layer's first norm (no residual yet) in the
+same kernel with its add compiled out. flare launches it itself, as a dependent of the kernel
+ahead on GPUs that take it (serve/engine/dependent_launch.py), which a kernel that Inductor
+generated for a compiled forward cannot: called directly, and inside a compile as the opaque
+operator `flare::add_rms_norm` (serve/models/linear.py says why both). Its kernel comes from
+Triton's cache, which a package's compile phase packs. Everywhere else, and where Triton is
+missing, the same arithmetic runs as torch operations.
 
 The arithmetic is transformers' (and the torch path's): the sum rounded to the model's dtype,
 then in float32 x * rsqrt(mean(x^2) + eps), rounded, times the weight, rounded.
