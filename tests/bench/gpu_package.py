@@ -19,12 +19,12 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from common import scratch
 from stream_load import completion_body
 
 HERE = Path(__file__).resolve().parent
@@ -197,7 +197,14 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="flare-gpu-"))
+    with scratch(None, "flare-gpu-") as work:  # a 1B checkpoint and two packages
+        report = measure(args, work)
+    publish(report, args.out, "gpu_package.json")
+    return 0
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Build the checkpoint compiled and eager in `work` and serve each."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_")}
     env |= {"FLARE_HOME": str(work / "home"), "XDG_CONFIG_HOME": str(work / "xdg")}
     report: dict[str, Any] = {"hidden": args.hidden, "layers": args.layers}
@@ -218,8 +225,7 @@ def main() -> int:
     report["compile_on_start"] = serve_and_load(env, "l1b", (16,), "--compile-on-start")
     flare(env, "build", str(source), "--name", "l1b-eager", "--target", "none", "--json")
     report["eager"] = serve_and_load(env, "l1b-eager", (16,))
-    publish(report, args.out, "gpu_package.json")
-    return 0
+    return report
 
 
 if __name__ == "__main__":

@@ -42,11 +42,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from common import scratch
 from gpu_package import flare, start_server
 from gpu_serving import MAX_STREAMS, SHAPES, make_checkpoint
 
@@ -229,7 +229,19 @@ def main() -> int:
     parser.add_argument("--against", type=Path, default=None, help="another flare's parent")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="flare-start-kernels-"))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    with scratch(None, "flare-start-kernels-") as work:  # an 8B package is 16 GB of the disk
+        report = measure(args, work)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        (args.out / "gpu_start_kernels.json").write_text(text)
+    return 0
+
+
+def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Build the shape in `work`, start it bare, again, against another tree and under py-spy."""
     shape = SHAPES[args.shape] | {"layers": args.layers}
     make_checkpoint(work / "ckpt", shape, args.device)
     (work / "site").mkdir()
@@ -244,8 +256,6 @@ def main() -> int:
     flare(build_env, *command, "--max-concurrency", str(MAX_STREAMS), "--json")
     report: dict = {"shape": args.shape, "layers": args.layers, "bytecode": bytecode()}
     report["build_s"] = round(time.perf_counter() - started, 1)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
     server, _, ready, seconds = start_server(
         env | {"KERNEL_LOG": str(work / "serve.jsonl")}, "s", "--device", args.device
     )
@@ -270,11 +280,7 @@ def main() -> int:
         stop(server, under)
         report |= {"spied_ready_line": spied, "spied_ready_s": round(seconds, 2)}
         report["start_timeline"] = spy_timeline(trace) if trace.exists() else "no trace"
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        (args.out / "gpu_start_kernels.json").write_text(text)
-    return 0
+    return report
 
 
 if __name__ == "__main__":
