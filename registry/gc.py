@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from flare.errors import NotFoundError
+from flare.errors import IntegrityError, NotFoundError
 from flare.faults import crash_point
 from flare.registry import journal, marks, refs, signatures
 from flare.registry.leases import drop_expired_leases, live_leases
@@ -104,15 +104,28 @@ def roots(registry: Registry, records: bool = False, hint: str = REFUSED) -> Roo
 
 
 def mark(registry: Registry, found: Roots, keep: bool) -> list[bytes]:
-    """Every blob the root packages need, indexes included (missing packages mark nothing), as
-    the sorted lines of their marks files or of their verified indexes; `keep` writes the marks
-    files that were missing."""
-    store = registry.store
-    return [_package_marks(registry, found, d, keep) for d in found.packages if store.has(d)]
+    """Every blob the root packages need, indexes included, as the sorted lines of their
+    marks files or of their verified indexes; `keep` writes the marks files that were missing.
+    A lease's package not stored yet (a build's, still writing) marks nothing; a tagged or
+    pinned one whose index is gone (deleted, or quarantined by verify) marks what its marks
+    file lists, and without one gc is refused: what it needs is unknown, and sweeping would
+    take every blob of a package a tag still names."""
+    store, tagged = registry.store, found.refs.roots()
+    return [
+        _package_marks(registry, found, digest, keep)
+        for digest in found.packages
+        if digest in tagged or store.has(digest)
+    ]
 
 
 def _package_marks(registry: Registry, found: Roots, digest: Digest, keep: bool) -> bytes:
-    """One root's marks; a ref file naming a blob that is no package index is refused."""
+    """One root's marks; a ref file naming a blob that is no package index is refused, and so
+    is a root whose index and marks file are both gone."""
+    if not registry.store.has(digest):
+        listed = marks.listed(registry.store, digest)
+        if listed is None:
+            raise _unknown_root(found, digest)
+        return listed
     try:
         return marks.package_blobs(registry.store, digest, keep)
     except FormatError:
@@ -121,6 +134,16 @@ def _package_marks(registry: Registry, found: Roots, digest: Digest, keep: bool)
             raise  # a lease's package, or an index this flare cannot read: as it says
         bad = BadRef(key, f"names {digest}, which is not a package index")
         raise refs.refusal(registry.store, [bad], REFUSED) from None
+
+
+def _unknown_root(found: Roots, digest: Digest) -> IntegrityError:
+    names = [key for key, named in found.refs.files() if named == digest]
+    return IntegrityError(
+        f"{', '.join(names)} names package {digest}, whose index is not in the store and "
+        "whose blobs are listed nowhere; gc deletes nothing while a root's blobs are unknown",
+        "build or push the package again (or put back the index that `flare registry verify` "
+        "quarantined), or remove the tag or pin, then run gc again",
+    )
 
 
 def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcReport:
@@ -162,8 +185,8 @@ def collect(registry: Registry, grace_s: float, dry_run: bool = False) -> GcRepo
     if not dry_run:
         found = _empty_trash(registry, report, found, Reached(marked, since))
         report.forgotten += registry.drop_rows_of_gone_packages(keep=found.packages)
-        report.signatures = signatures.drop_orphans(registry.store)
-        report.marks = marks.drop_orphans(registry.store)
+        report.signatures = signatures.drop_orphans(registry.store, keep=found.packages)
+        report.marks = marks.drop_orphans(registry.store, keep=found.packages)
         report.temp_files = registry.store.sweep_temps()
         drop_expired_leases(registry.store)
         journal.drop_old(registry.store)

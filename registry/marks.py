@@ -52,13 +52,19 @@ def write_marks(store: BlobStore, digest: Digest, blobs: set[str]) -> None:
     store.backend.write_atomic(marks_key(digest), encode_marks(blobs))
 
 
+def listed(store: BlobStore, digest: Digest) -> bytes | None:
+    """The sorted marks lines of a package's marks file, if it has a sound one."""
+    data = store.backend.read(marks_key(digest))
+    lines = decode_marks(data) if data is not None else None
+    return lines if lines is not None and _line(lines, digest.hex) is not None else None
+
+
 def package_blobs(store: BlobStore, digest: Digest, keep: bool) -> bytes:
     """The sorted marks lines of every blob a stored package needs, its index included: from
     its marks file, else from its index (verified against its digest), then kept if `keep`."""
-    data = store.backend.read(marks_key(digest))
-    listed = decode_marks(data) if data is not None else None
-    if listed is not None and _line(listed, digest.hex) is not None:
-        return listed
+    lines = listed(store, digest)
+    if lines is not None:
+        return lines
     from flare.store.package import referenced_blobs  # pydantic: not for listing commands
 
     index = store.read_bytes(digest)
@@ -107,9 +113,12 @@ def _line(body: bytes, hex_digest: str) -> int | None:
     return at if body[at : at + LINE - 1] == hex_digest.encode("ascii") else None
 
 
-def drop_orphans(store: BlobStore) -> list[str]:
-    """Remove the marks of packages whose index is gone (after gc swept it)."""
-    dropped = [f"{MARKS_DIR}/{name}" for name in store.absent(store.backend.list_dir(MARKS_DIR))]
+def drop_orphans(store: BlobStore, keep: set[Digest]) -> list[str]:
+    """Remove the marks of packages whose index is gone (after gc swept it), but a root's in
+    `keep`: its index may be put back, and its marks are what kept its blobs."""
+    kept = {digest.hex for digest in keep}
+    gone = store.absent(store.backend.list_dir(MARKS_DIR))
+    dropped = [f"{MARKS_DIR}/{name}" for name in gone if name not in kept]
     for key in dropped:
         store.backend.remove(key)
     return dropped

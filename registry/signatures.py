@@ -55,10 +55,14 @@ def claimed_publisher(signatures: list[bytes]) -> str | None:
     return ",".join(sorted(names)) or None
 
 
-def drop_orphans(store: BlobStore) -> list[str]:
-    """Remove the signatures of packages whose index is gone (after gc swept it)."""
+def drop_orphans(store: BlobStore, keep: set[Digest]) -> list[str]:
+    """Remove the signatures of packages whose index is gone (after gc swept it), but a
+    root's in `keep`: its index may be put back, and its signatures still hold for it."""
     dropped = []
+    kept = {digest.hex for digest in keep}
     for hex_digest in store.absent(store.backend.list_dir(SIGNATURES_DIR)):
+        if hex_digest in kept:
+            continue
         folder = f"{SIGNATURES_DIR}/{hex_digest}"
         for name in store.backend.list_dir(folder):
             store.backend.remove(f"{folder}/{name}")

@@ -337,6 +337,37 @@ def test_gc_removes_the_marks_of_swept_packages(
     assert registry.store.backend.stat(marks.marks_key(made["a"])) is not None  # type: ignore[arg-type]
 
 
+def test_gc_keeps_what_a_tag_names_when_its_index_is_gone(
+    registry: Registry, sources: Path, tmp_path: Path
+) -> None:
+    """An index deleted, or quarantined by verify: the package's marks keep its blobs, marks
+    and signatures, so putting the index back restores it; with its marks gone too, gc is
+    refused and deletes nothing (it once swept every blob of the tagged package)."""
+    from flare.registry import marks, signatures
+
+    made = fill(registry, sources, tmp_path)
+    a: Digest = made["a"]  # type: ignore[assignment]
+    needed = {d.hex for d in refs.read_manifest(registry.store, a).blobs()}
+    signature = registry.store.backend.local_path(f"{signatures.SIGNATURES_DIR}/{a.hex}/lab")
+    assert signature is not None
+    signature.parent.mkdir(parents=True, exist_ok=True)
+    signature.write_bytes(b"a signature's bytes")
+    index = blob_path(registry, a)
+    saved = index.read_bytes()
+    index.unlink()
+    report = collect(registry, grace_s=0)
+    assert not needed & {d.removeprefix("blake3:") for d in report.deleted}
+    assert signature.exists() and report.signatures == []
+    marks_file = registry.store.backend.local_path(marks.marks_key(a))
+    assert marks_file is not None and marks_file.exists()
+    marks_file.unlink()
+    with pytest.raises(IntegrityError, match="whose blobs are listed nowhere"):
+        collect(registry, grace_s=0)
+    index.write_bytes(saved)
+    assert registry.verify("alpha:latest").ok
+    assert collect(registry, grace_s=0).deleted == []
+
+
 def test_an_index_db_at_the_first_schema_is_upgraded_on_open(
     registry: Registry, sources: Path, tmp_path: Path
 ) -> None:
