@@ -126,18 +126,25 @@ def create_app(
     (`app.state.drain`, serve/drain.py), then handled; a fault anywhere in that is answered
     (serve/errors.py)."""
     app = FastAPI(
-        title="flare", version=__version__, docs_url=None, redoc_url=None, openapi_url=None
+        title="flare",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,  # a path with a trailing slash is not ours: 404, not 307
     )
     app.state.ready = False
     app.state.drain = Drain()
     app.add_middleware(AdmitRequests, drain=app.state.drain)
-    app.add_middleware(LimitBodies, limits=limits or BodyLimits())
+    app.state.limits = limits or BodyLimits()
+    app.add_middleware(LimitBodies, limits=app.state.limits)
     app.add_middleware(AnswerFaults)  # the last added is the outermost: it sees every fault
     _add_error_handlers(app)
     routes = _Routes(runtime, package)
     unready = {"model": Health, "description": "starting, or draining after a stop signal"}
     health = {200: {"model": Health}, 503: unready}
     app.get("/health", response_model=None, responses=health)(routes.health)
+    app.head("/health", include_in_schema=False)(routes.health)  # load balancers' probes
     text = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
     app.get("/metrics", response_class=PlainTextResponse, responses=text)(routes.metrics)
     app.get("/version", response_model=None, responses={200: {"model": VersionInfo}})(
@@ -195,8 +202,9 @@ def _bearer(api_key: str | None):  # type: ignore[no-untyped-def]
     async def check(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        key_matches = secrets.compare_digest(given.strip().encode(), api_key.encode())
+        if scheme.lower() != "bearer" or not key_matches:  # a scheme's name has no case
             raise ApiError(401, "missing or wrong API key", code="invalid_api_key")
 
     return check
@@ -208,21 +216,43 @@ def _add_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_request: Request, exc: RequestValidationError) -> Response:
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        if not _sent_as_json(request):
+            message = "send the request body as JSON, with Content-Type: application/json"
+            return ApiError(415, message, code="unsupported_media_type").response()
         param, message = _describe(exc)
         return ApiError(400, message, param=param).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return ApiError(exc.status_code, str(exc.detail), kind).response(exc.headers)
+        message = str(exc.detail)
+        if exc.status_code == 400 and message == UNPARSED_BODY:
+            message = f"{NOT_JSON}: send it as UTF-8 text, not compressed or in another encoding"
+        return ApiError(exc.status_code, message, kind).response(exc.headers)
+
+
+UNPARSED_BODY = "There was an error parsing the body"
+"""FastAPI's words for a body its JSON parser could not even read (bytes that are not UTF-8,
+a compressed body, numbers or nesting past Python's limits)."""
+NOT_JSON = "the request body is not valid JSON"
+
+
+def _sent_as_json(request: Request) -> bool:
+    """Whether the body came as JSON (FastAPI parses one with no Content-Type as JSON too)."""
+    given = request.headers.get("content-type", "application/json")
+    kind = given.split(";")[0].strip().lower()
+    maintype, _, subtype = kind.partition("/")
+    return maintype == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 def _describe(exc: RequestValidationError) -> tuple[str | None, str]:
     """The field and the first problem with a request body, as one line."""
     first = exc.errors()[0]
     if first.get("type") == "json_invalid":
-        return None, "the request body is not valid JSON"
+        return None, NOT_JSON
+    if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+        return None, "the request body is empty: send a JSON object"
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
     message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
     return where or None, message

@@ -38,6 +38,7 @@ class ApiError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = _clipped(message)
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
         self.param, self.code, self.headers = param, code, headers or {}
@@ -62,6 +63,19 @@ class ApiError(Exception):
     def response(self, headers: dict[str, str] | None = None) -> Response:
         every = self.headers | (headers or {})
         return Response(self.text().encode(), self.status, every, media_type="application/json")
+
+
+MESSAGE_MAX_CHARS = 1000
+"""The longest message an error carries: one that quotes what the client sent (a model name of
+megabytes, an integer of thousands of digits) is cut in its middle, its end (what to do) kept."""
+
+
+def _clipped(message: str) -> str:
+    if len(message) <= MESSAGE_MAX_CHARS:
+        return message
+    half = MESSAGE_MAX_CHARS // 2
+    left_out = len(message) - 2 * half
+    return f"{message[:half]} ... ({left_out} characters left out) ... {message[-half:]}"
 
 
 def internal_error(exc: Exception, where: str) -> ApiError:

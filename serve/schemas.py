@@ -88,8 +88,8 @@ class Sampling(BaseModel):
 
     model: Annotated[str, Unicode]
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
     stop: Annotated[str | list[str] | None, Unicode] = None

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 
 from flare.errors import FlareError
 from flare.serve.heap import freeze_heap
+from flare.serve.http_head import limited_head
 from flare.serve.runtime import Runtime
 
 DRAIN_TIMEOUT_S = 60
@@ -90,10 +91,11 @@ def listen(host: str, port: int) -> socket.socket:
 def _config(app: FastAPI) -> uvicorn.Config:
     """uvicorn with its C HTTP parser and uvloop (not h11 and asyncio's loop, its fallbacks):
     each streamed token is an event the loop writes, under the GIL the engine thread needs
-    too, so the loop's cost per event counts against every stream's tokens a second."""
+    too, so the loop's cost per event counts against every stream's tokens a second. The
+    parser's protocol holds each request's head to a size and a time (serve/http_head.py)."""
     return uvicorn.Config(
         app,
-        http="httptools",
+        http=limited_head(app.state.limits.timeout_s),
         loop="uvloop",
         log_level="warning",
         timeout_graceful_shutdown=DRAIN_TIMEOUT_S,

@@ -202,6 +202,86 @@ def test_a_trickled_body_gets_408_and_its_connection_is_closed(raised: Server) -
     assert httpx.get(f"{raised.root}/health").status_code == 200
 
 
+def test_a_head_over_64_kib_gets_431_while_health_answers(default: Server) -> None:
+    """A header of megabytes (once the server gathered it whole, stalling every stream) is
+    refused once the head passes 64 KiB; the answer reaches a client still sending."""
+    host, port = default.root.removeprefix("http://").rsplit(":", 1)
+    address = (host, int(port))
+    with HealthWatch(default.root) as health, socket.create_connection(address, 10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: flare\r\nX-Big: ")
+        sent = 0
+        while sent < 64 << 20 and not select.select([sock], [], [], 0.01)[0]:
+            sock.sendall(b"a" * 65536)
+            sent += 65536
+        reply = read_until_closed(sock)
+    assert not health.failures and health.slowest < STALL_CEILING_S, health.slowest
+    assert sent <= 1 << 20, sent  # refused near the limit, not after the whole header
+    assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
+    error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "headers_too_large" and "over 64 KiB" in error["message"]
+    under = {f"x-h{i}": "v" * 1000 for i in range(40)}  # 40 KB of headers: served
+    assert httpx.get(f"{default.root}/health", headers=under).status_code == 200
+
+
+def test_a_head_that_trickles_or_never_comes_gets_408(raised: Server) -> None:
+    """The head must arrive within the server's time limit (1 s here, serve.body_timeout)
+    from its first byte, or from the connection for a client that sends nothing."""
+    host, port = raised.root.removeprefix("http://").rsplit(":", 1)
+    for first in (b"POST /v1/completions HTTP/1.1\r\nHost: flare\r\n", b""):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            started = time.monotonic()
+            sock.sendall(first)
+            while not select.select([sock], [], [], 0.2)[0] and time.monotonic() - started < 20:
+                if first:
+                    sock.sendall(b"X-Slow: 1\r\n")  # a header line every 0.2 s
+            reply = read_until_closed(sock)
+            waited = time.monotonic() - started
+        assert reply.startswith(b"HTTP/1.1 408 "), (first, reply[:200])
+        assert 0.9 < waited < 10, waited
+        error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == "request_timeout" and "within 1 s" in error["message"]
+    assert httpx.get(f"{raised.root}/health").status_code == 200
+
+
+def test_a_kept_alive_connection_serves_one_request_after_another(raised: Server) -> None:
+    """The head's clock starts at each request's first byte, not at the connection: a client
+    that keeps its connection and asks again after a pause longer than the limit is served."""
+    with httpx.Client(timeout=10) as client:
+        assert client.get(f"{raised.root}/health").status_code == 200
+        time.sleep(1.5)
+        assert client.get(f"{raised.root}/health").status_code == 200
+
+
+BADLY_SENT = [
+    ({"content-type": "text/plain"}, b'{"model": "tiny", "prompt": "hi"}', 415, "Content-Type"),
+    ({"content-type": "application/x-www-form-urlencoded"}, b"model=tiny", 415, "as JSON"),
+    ({}, b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, "not valid JSON: send it as UTF-8"),
+    ({}, b"", 400, "the request body is empty"),
+    ({}, b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', 400, "finite number"),
+    ({}, b'{"model": "tiny", "prompt": "hi", "top_p": Infinity}', 400, "finite number"),
+    ({}, b'{"model": "tiny", "prompt": "hi", "max_tokens": "' + b"9" * 5000 + b'"}', 400, ""),
+    ({}, b'{"model": "' + b"m" * 3_000_000 + b'", "prompt": "hi"}', 404, "characters left out"),
+]
+
+
+@pytest.mark.parametrize(("headers", "body", "status", "words"), BADLY_SENT)
+def test_a_body_sent_badly_gets_a_short_clear_error(
+    default: Server, headers: dict[str, str], body: bytes, status: int, words: str
+) -> None:
+    sent = {"content-type": "application/json"} | headers
+    reply = httpx.post(f"{default.url}/completions", content=body, headers=sent, timeout=60)
+    assert_error(reply, status, words)
+    assert len(reply.content) < 2500  # what the client sent is not echoed back whole
+
+
+def test_health_answers_head_and_a_trailing_slash_is_not_a_route(default: Server) -> None:
+    probe = httpx.head(f"{default.root}/health")
+    assert probe.status_code == 200 and probe.content == b""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    reply = httpx.post(f"{default.url}/chat/completions/", json=chat, follow_redirects=False)
+    assert_error(reply, 404, "Not Found")
+
+
 def read_until_closed(sock: socket.socket) -> bytes:
     """Everything the server sends until it closes the connection (which it must)."""
     data = b""
@@ -299,5 +379,11 @@ def test_with_an_api_key_the_document_says_so_and_stays_open(home: Path) -> None
         assert document["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
         assert "security" not in document["paths"]["/health"]["get"]
         assert httpx.get(f"{locked.url}/models").status_code == 401
+        for scheme in ("Bearer", "bearer", "BEARER"):  # a scheme's name has no case
+            given = {"authorization": f"{scheme} s3cret"}
+            assert httpx.get(f"{locked.url}/models", headers=given).status_code == 200
+        for wrong in ("s3cret", "Basic s3cret", "Bearer s3cre", "Bearers3cret"):
+            given = {"authorization": wrong}
+            assert httpx.get(f"{locked.url}/models", headers=given).status_code == 401
     finally:
         locked.stop()
