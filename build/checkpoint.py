@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,16 +32,27 @@ class SourceTensor:
 
 def read_config(source: Source) -> dict[str, Any]:
     """config.json, parsed; an unreadable one is a clear error."""
-    path = source.root / "config.json"
+    return read_json_object(source.root / "config.json")
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file that must be an object, read as serve reads it (UTF-8 text);
+    anything else, NaN and Infinity included (not JSON, and no size or setting), is a clear
+    error naming the file."""
     try:
-        config = json.loads(path.read_text())
+        value = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
     except OSError as exc:
         raise from_os_error(exc, "read", path) from exc
-    except ValueError as exc:  # bad JSON or UTF-8, or an integer too long to convert
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, a huge integer, nesting
         raise InvalidInputError(f"{path} is not valid JSON: {exc}", "fix the checkpoint") from exc
-    if not isinstance(config, dict):
+    if not isinstance(value, dict):
         raise InvalidInputError(f"{path} is not a JSON object", "fix the checkpoint")
-    return config
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    """Python's json reads NaN and Infinity, which JSON does not have: refused."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def default_model_id(source: Source, config: Mapping[str, Any], package_name: str) -> str:
@@ -67,12 +78,17 @@ def weight_files(source: Source) -> tuple[str, ...]:
                 "re-download the checkpoint",
             )
         return tuple(names)
-    found = tuple(f for f in source.files if "/" not in f and f.endswith(".safetensors"))
+    found = top_level_weights(source.files)
     if not found:
         pickles = [f for f in source.files if f.endswith((".bin", ".pt", ".pth"))]
         hint = "convert it to safetensors first" if pickles else "is this a checkpoint folder?"
         raise NotFoundError(f"no *.safetensors weights in {source.root}", hint)
     return found
+
+
+def top_level_weights(names: Iterable[str]) -> tuple[str, ...]:
+    """The weight files of a checkpoint without a shard index: its top-level safetensors."""
+    return tuple(f for f in names if "/" not in f and f.endswith(".safetensors"))
 
 
 def _shard_map(source: Source) -> dict[str, str]:

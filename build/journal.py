@@ -43,12 +43,16 @@ class Journal:
     def get(self, phase: str, key: Digest) -> dict[str, Any] | None:
         """The record for these inputs, or None (absent or unreadable: redo the phase)."""
         try:
-            return json.loads(self._path(phase, key).read_text())
+            text = self._path(phase, key).read_bytes().decode("utf-8", "surrogateescape")
+            return json.loads(text)
         except (OSError, ValueError):  # absent (FileNotFoundError), unreadable or not JSON
             return None
 
     def put(self, phase: str, key: Digest, record: dict[str, Any]) -> None:
-        write_file_atomic(self._path(phase, key), canonical_json(record).encode())
+        """Write the record; a path in it keeps its bytes (`surrogateescape`, undone by `get`),
+        so a source folder whose name is not UTF-8 is recorded, and found again by --check."""
+        text = canonical_json(record).encode("utf-8", "surrogateescape")
+        write_file_atomic(self._path(phase, key), text)
 
     @contextmanager
     def lock(self, key: Digest) -> Iterator[bool]:

@@ -32,7 +32,8 @@ from flare.build.plan import PAYLOAD_BYTES, PlannedPayload, fused_layout, plan_p
 from flare.build.ranks import Leader
 from flare.build.recipes import recipe_for
 from flare.build.recipes.base import Recipe, check_tensors
-from flare.build.sources import Source, resolve_source
+from flare.build.runtime_inputs import check_file_names, check_runtime_inputs
+from flare.build.sources import Source, resolve_source, shown_name
 from flare.build.statcache import StatCache, digest_files
 from flare.build.target import (
     MAX_CONCURRENCY,
@@ -194,7 +195,10 @@ class Build:
         request = self.request
         config = read_config(self.source)
         recipe, _architecture = recipe_for(config)
+        check_file_names(self.source, recipe)
         _check_config(self.source, config, recipe)  # refused before any work is done
+        check_runtime_inputs(self.source, config, recipe)
+        self._note_unnamed()
         recipe.check_ranks(config, request.ranks)
         with hold_lease(self.store, "build", protect_new=True) as self.lease, self._ranks():
             if self.leader is not None:  # resolve's time starts once every rank has joined
@@ -206,6 +210,13 @@ class Build:
             if self.leader is not None:
                 self.leader.finish(str(result.digest))
             return result
+
+    def _note_unnamed(self) -> None:
+        """Say which files are left out for names that are not UTF-8 (none the build needs)."""
+        if self.source.unnamed:
+            names = ", ".join(shown_name(n) for n in self.source.unnamed[:3])
+            more = f" and {len(self.source.unnamed) - 3} more" if self.source.unnamed[3:] else ""
+            self.events.note(f"left out files whose names are not UTF-8: {names}{more}")
 
     @contextmanager
     def _ranks(self) -> Iterator[None]:

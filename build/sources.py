@@ -32,6 +32,10 @@ class Source:
     files: tuple[str, ...]
     """Every regular file under root (file links followed, linked folders not entered,
     dot-files skipped), relative, sorted."""
+    unnamed: tuple[str, ...] = ()
+    """Files left out of `files` because their names are not UTF-8 (held here as
+    `os.fsdecode` gives them, with surrogate escapes): a package names its files in UTF-8
+    JSON, so one of them cannot ship. The build refuses a checkpoint that needs one."""
 
 
 def resolve_source(spec: str, hub_cache: Path, allow_outside_links: bool = False) -> Source:
@@ -98,13 +102,15 @@ def _make(
     if not (root / "config.json").is_file():
         raise NotFoundError(f"{root} has no config.json", "pass a Hugging Face checkpoint folder")
     inside = None if allow_outside else container.resolve()
-    return Source(root, hub_id, revision, _list_files(root, inside))
+    files, unnamed = _list_files(root, inside)
+    return Source(root, hub_id, revision, files, unnamed)
 
 
-def _list_files(root: Path, inside: Path | None) -> tuple[str, ...]:
-    """Every regular file under root; each link must stay within `inside` (when given).
-    Linked folders are not entered (a file is listed once, where it really is)."""
-    found = []
+def _list_files(root: Path, inside: Path | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Every regular file under root, and apart those whose names are not UTF-8; each link
+    must stay within `inside` (when given). Linked folders are not entered (a file is listed
+    once, where it really is)."""
+    found, unnamed = [], []
     for path in root.rglob("*"):
         rel = path.relative_to(root)
         if any(part.startswith(".") for part in rel.parts):
@@ -113,8 +119,24 @@ def _list_files(root: Path, inside: Path | None) -> tuple[str, ...]:
             _check_link(path, inside)
         if not path.is_file():
             continue
-        found.append(rel.as_posix())
-    return tuple(sorted(found))
+        (found if is_utf8_name(rel.as_posix()) else unnamed).append(rel.as_posix())
+    return tuple(sorted(found)), tuple(sorted(unnamed))
+
+
+def is_utf8_name(name: str) -> bool:
+    """Whether a file name, as `os.fsdecode` gives it, was UTF-8 on disk (a byte that is not
+    is decoded to a lone surrogate, which no UTF-8 text, hence no manifest, can hold)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def shown_name(name: str | Path) -> str:
+    """A path for a one-line message, its non-UTF-8 bytes written as \\xNN escapes (printing
+    the lone surrogates `os.fsdecode` gives them would fail)."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def _check_link(link: Path, inside: Path | None) -> None:

@@ -42,7 +42,9 @@ class StatCache:
         self._lock = threading.Lock()
 
     def _record_path(self, path: Path) -> Path:
-        return self.folder / f"{hash_bytes(str(path).encode()).hex[:32]}.json"
+        """The record's file, named by the path's bytes as the filesystem has them
+        (`os.fsencode`: a name that is not UTF-8 has a record too, not an error)."""
+        return self.folder / f"{hash_bytes(os.fsencode(path)).hex[:32]}.json"
 
     def lookup(self, path: Path, state: FileState) -> Digest | None:
         """The recorded digest when the file is unchanged since a trustworthy record."""
