@@ -101,7 +101,22 @@ def _shard_map(source: Source) -> dict[str, str]:
         raise InvalidInputError(f"{path} has no valid weight_map", "fix the checkpoint") from exc
     if not isinstance(weight_map, dict):
         raise InvalidInputError(f"{path}: weight_map is not an object", "fix the checkpoint")
-    return {str(k): str(v) for k, v in weight_map.items()}
+    for tensor, file in weight_map.items():
+        if not _is_shard_name(file):
+            raise InvalidInputError(
+                f"{path}: weight_map puts {tensor} in {str(file)[:100]!r}, which is not a "
+                "safetensors file of the checkpoint's folder",
+                "fix the checkpoint's shard index",
+            )
+    return {str(k): v for k, v in weight_map.items()}
+
+
+def _is_shard_name(file: object) -> bool:
+    """A shard a weight map may name: a relative path to a .safetensors file that stays in the
+    checkpoint's folder (no `..`, no absolute path, no empty part)."""
+    if not isinstance(file, str) or not file.endswith(".safetensors") or file.startswith("/"):
+        return False
+    return all(part not in ("", ".", "..") for part in file.split("/"))
 
 
 def read_tensors(source: Source) -> dict[str, SourceTensor]:

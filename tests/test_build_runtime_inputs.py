@@ -155,3 +155,23 @@ def test_a_checkpoint_without_a_tokenizer_still_builds(llama: Path, tmp_path: Pa
     shutil.rmtree(tmp_path / "registry", ignore_errors=True)
     manifest = build(source, tmp_path)[1]
     assert "tokenizer.json" not in {f.path for f in manifest.model.files}
+
+
+@pytest.mark.parametrize(
+    "shard", ["../../elsewhere/model.safetensors", "/etc/model.safetensors", 3, "a//b.safetensors"]
+)
+def test_a_shard_index_naming_a_file_outside_the_folder_is_invalid(
+    tmp_path: Path, shard: object
+) -> None:
+    """A weight map's file must be a safetensors file inside the checkpoint: else the index is
+    bad (exit 4), not a download to redo (exit 3)."""
+    source = make_llama(tmp_path / "ckpt", shard_size="20KB")
+    index = source / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = next(iter(data["weight_map"]))
+    data["weight_map"][first] = shard
+    index.write_text(json.dumps(data))
+    with pytest.raises(InvalidInputError) as info:
+        build(source, tmp_path)
+    assert f"weight_map puts {first} in" in str(info.value)
+    assert "not a safetensors file of the checkpoint's folder" in str(info.value)
