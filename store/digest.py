@@ -58,8 +58,13 @@ def _strip_algorithm(text: str) -> str:
 def parse_prefix(text: str) -> str:
     """Validate a digest reference that may be cut short; return its hex digits."""
     hex_part = _strip_algorithm(text)
-    if not _HEX.match(hex_part) or len(hex_part) > HEX_LENGTH:
-        raise InvalidInputError(f"not a digest or digest prefix: {text!r}", "use hex digits 0-9a-f")
+    shown = repr(text) if len(text) <= 80 else f"{text[:72]!r}... ({len(text)} characters)"
+    if not _HEX.match(hex_part):
+        raise InvalidInputError(f"not a digest or digest prefix: {shown}", "use hex digits 0-9a-f")
+    if len(hex_part) > HEX_LENGTH:
+        raise InvalidInputError(
+            f"digest {shown} has {len(hex_part)} hex digits", f"a digest has {HEX_LENGTH}"
+        )
     if len(hex_part) < MIN_PREFIX:
         raise InvalidInputError(
             f"digest prefix {text!r} is too short", f"give at least {MIN_PREFIX} hex digits"

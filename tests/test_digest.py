@@ -39,6 +39,15 @@ def test_prefix_needs_eight_hex_digits() -> None:
         parse_prefix("zzzzzzzzzz")
 
 
+def test_a_prefix_too_long_says_so_without_echoing_it_whole() -> None:
+    with pytest.raises(InvalidInputError, match="has 65 hex digits") as info:
+        parse_prefix(HEX + "0")
+    assert "a digest has 64" in str(info.value)
+    with pytest.raises(InvalidInputError) as info:
+        parse_prefix("a" * 5000)
+    assert "(5000 characters)" in str(info.value) and len(str(info.value)) < 200
+
+
 def test_resolve_prefix_finds_the_one_match() -> None:
     a, b = Digest("ab" * 32), Digest("cd" * 32)
     assert resolve_prefix("abababab", [a, b], "here") == a
