@@ -497,6 +497,8 @@ class BlobStore:
         network filesystem, whose clients may not keep a map coherent) by reading it."""
         key = blob_key(info.digest, info.encoding)
         local = self.backend.local_path(key)
+        if local is not None and local.is_dir():
+            return False  # a folder where the blob should be holds none of its bytes
         try:
             mapped = not (uncached or self.backend.network) and info.encoding is Encoding.PLAIN
             if local is not None and mapped:

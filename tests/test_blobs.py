@@ -222,6 +222,20 @@ def test_verify_quarantines_corrupt_blobs_and_reports_missing_ones(store: BlobSt
     assert again.missing == [bad, missing] and again.corrupt == []
 
 
+def test_a_folder_where_a_blob_should_be_is_corrupt_and_verify_goes_on(store: BlobStore) -> None:
+    """It once stopped verify with `Is a directory` (exit 1), the other blobs unchecked."""
+    odd = store.put_bytes(b"odd" * 1000).digest
+    good = store.put_bytes(b"good" * 1000).digest
+    path = stored_path(store, odd)
+    path.chmod(0o644)
+    path.unlink()
+    path.mkdir()
+    report = store.verify([odd, good])
+    assert report.corrupt == [odd] and report.checked == 2 and not path.exists()
+    assert store.put_bytes(b"odd" * 1000).digest == odd  # the path is free to store it again
+    assert store.verify([odd, good]).ok
+
+
 def test_stale_temps_of_dead_writers_are_swept_but_live_ones_kept(store: BlobStore) -> None:
     ctx = multiprocessing.get_context("spawn")
     child = ctx.Process(target=_start_write_and_die, args=(store.location,))
