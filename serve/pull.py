@@ -13,7 +13,7 @@ import math
 import shutil
 from dataclasses import dataclass, field
 
-from flare.errors import NoSpaceError
+from flare.errors import FlareError, IntegrityError, NoSpaceError, NotFoundError
 from flare.registry.leases import hold_lease
 from flare.registry.registry import Registry
 from flare.serve.cache import HostCache
@@ -133,7 +133,7 @@ def stored_sizes(
         elif cached is not None:
             sizes[digest] = cache.store.plain_size(cached)
         else:
-            registry.store.require(digest)  # says where it is missing
+            raise _lost_blob(registry, manifest.name, digest)
         if cached is None:
             missing.append(digest)
     return sizes, missing
@@ -180,7 +180,12 @@ def fetch(
     report = PullReport(plan)
 
     def copy(digest: Digest) -> PutResult:
-        return registry.store.copy_to(cache.store, digest, progress)
+        try:
+            return registry.store.copy_to(cache.store, digest, progress)
+        except (NotFoundError, IntegrityError) as exc:
+            package = f"{plan.name or 'package'}@{plan.digest.short()}"
+            problem = exc.what if isinstance(exc, IntegrityError) else None
+            raise _lost_blob(registry, package, digest, problem) from exc
 
     with hold_lease(registry.store, "pull", packages=[plan.digest]):
         for result in parallel_map(copy, [d for d, _ in plan.admission.missing], workers):
@@ -188,3 +193,17 @@ def fetch(
             report.bytes += result.size
         cache.add(plan.digest, plan.index, plan.signatures, plan.name)
     return report
+
+
+def _lost_blob(
+    registry: Registry, package: str, digest: Digest, problem: str | None = None
+) -> FlareError:
+    """A blob `package` needs, missing from the registry (or corrupt there: `problem`), said
+    as the package's (the store's own words name only the blob), with what its keeper does."""
+    fix = (
+        f"run `flare registry verify {package}` on {registry.location}, then build or push the "
+        "package again, and pull it"
+    )
+    if problem is None:
+        return NotFoundError(f"{package} needs blob {digest}, which {registry.location} lacks", fix)
+    return IntegrityError(f"{package}'s blob {digest} in {registry.location}: {problem}", fix)

@@ -180,3 +180,23 @@ def test_a_flipped_byte_in_the_registry_index_is_refused_before_any_copy(host: H
     refused = host.run("pull", "tiny", "--device", "cpu", code=6)
     assert f"blob {digest} in" in refused.stderr and "is corrupt" in refused.stderr
     assert host.cached_blobs() == []
+
+
+def test_a_blob_lost_or_corrupt_in_the_registry_is_named_with_its_package(host: Host) -> None:
+    """The store's words name only a blob; the pull says whose, where, and what to do."""
+    shown = json.loads(host.run("registry", "show", "tiny", "--json").stdout)
+    index = shown["digest"].removeprefix("blake3:")
+    blobs = [p for p in (host.root / "registry" / "blobs").rglob("*") if p.is_file()]
+    payload = max((p for p in blobs if p.name != index), key=lambda p: p.stat().st_size)
+    payload.chmod(0o644)
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    payload.write_bytes(bytes(data))
+    refused = host.run("pull", "tiny", "--device", "cpu", code=6)
+    line = refused.stderr.strip().splitlines()[-1]
+    assert f"tiny@{index[:12]}'s blob blake3:{payload.name}" in line, line
+    assert "run `flare registry verify tiny@" in line and "then build or push" in line
+    payload.unlink()
+    refused = host.run("pull", "tiny", "--device", "cpu", code=3)
+    line = refused.stderr.strip().splitlines()[-1]
+    assert f"needs blob blake3:{payload.name}, which" in line and "lacks" in line, line
