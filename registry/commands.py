@@ -5,7 +5,6 @@ opens it."""
 from __future__ import annotations
 
 from dataclasses import asdict
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -27,7 +26,7 @@ from flare.cli_common import (
 )
 from flare.config import load_config, parse_duration
 from flare.errors import IntegrityError, InvalidInputError
-from flare.registry.database import UnusableIndexError
+from flare.registry.database import UnusableIndexError, set_aside, sqlite_file
 from flare.registry.refs import BadRef, BadRefError
 from flare.registry.registry import Registry, index_database
 from flare.sign import policy as trust
@@ -61,16 +60,26 @@ def open_registry(
     options = (config.store_encoding, config.zstd_level)
     try:
         opened = Registry(where, database, *options, create, config.cache_window)
+        if set_aside_corrupt:
+            _require_intact(opened)
     except UnusableIndexError as exc:
-        if not (set_aside_corrupt and exc.corrupt and database.startswith("sqlite:///")):
+        broken = sqlite_file(database)
+        if not (set_aside_corrupt and exc.corrupt and broken is not None):
             raise
-        broken = Path(database.removeprefix("sqlite:///"))
-        broken.rename(broken.with_name(f"{broken.name}.corrupt"))
-        err.print(f"moved the unreadable index DB to {broken}.corrupt", markup=False)
+        err.print(f"moved the unreadable index DB to {set_aside(broken)}", markup=False)
         opened = Registry(where, database, *options, cache_window=config.cache_window)
     for note in opened.notes:
         err.print(note, markup=False)
     return opened
+
+
+def _require_intact(opened: Registry) -> None:
+    """Refuse (as corrupt) an index DB that opens but has damaged pages: reindex's first
+    write would fail on them, and only a DB that is moved aside can be made anew."""
+    problem = opened.db.check()
+    if problem is not None:
+        opened.db.dispose()
+        raise opened.db.damaged(problem)
 
 
 def check_location(location: str, otherwise: str) -> None:
@@ -330,20 +339,32 @@ def registry_verify(
             out.print(f"untrusted: {refusal}", markup=False)
     report = target.verify(ref, workers, dry_run=dry_run, restore=restore)
     bad = [] if ref else target.bad_refs()
+    damage = _index_damage(target)
     if as_json:
-        ok = report.ok and not refused and not bad
+        ok = report.ok and not refused and not bad and damage is None
         fields = {**verify_fields(report), "bad_refs": _bad_ref_fields(bad)}
-        print_json({**fields, "untrusted": refused, "ok": ok})
+        print_json({**fields, "index_db": damage, "untrusted": refused, "ok": ok})
     else:
         _print_bad_refs(bad)
-        print_verify(report, "flare registry verify --restore", ok=not bad)
+        if damage is not None:
+            out.print(damage, markup=False)
+        print_verify(report, "flare registry verify --restore", ok=not bad and damage is None)
     if report.corrupt:
         raise typer.Exit(IntegrityError.exit_code)
+    if damage is not None:
+        raise typer.Exit(UnusableIndexError.exit_code)
     if bad:
         raise typer.Exit(BadRefError.exit_code)
     exit_for(report)
     if refused:
         raise typer.Exit(UntrustedError.exit_code)
+
+
+def _index_damage(registry: Registry) -> str | None:
+    """The line that says the index DB is damaged, if SQLite's quick check finds it so: the
+    blobs verify hashes are found through the ref files, so a damaged DB would go unseen."""
+    problem = registry.db.check()
+    return None if problem is None else str(registry.db.damaged(problem))
 
 
 def _refused_packages(registry: Registry, ref: str | None) -> list[str]:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import quote
 
 from sqlalchemy import (
     Column,
@@ -28,7 +29,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError
 
-from flare.errors import FlareError, NoSpaceError
+from flare.errors import FlareError, NoSpaceError, PermissionDeniedError, from_os_error
 from flare.extras import install_hint
 from flare.faults import crash_point
 from flare.registry.models import metadata
@@ -184,6 +185,61 @@ def _parse(url: str) -> URL:
     return parsed
 
 
+def sqlite_file(url: str) -> Path | None:
+    """The file of a SQLite index DB URL; None for PostgreSQL (or a URL that does not parse,
+    which opening the DB reports)."""
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        return None
+    if parsed.get_backend_name() != "sqlite" or not parsed.database:
+        return None
+    return Path(parsed.database)
+
+
+def set_aside(path: Path) -> Path:
+    """Move a damaged SQLite DB out of the way, kept for a post-mortem, so that a new one can
+    be made in its place; returns where it went (`NAME.corrupt`, or `NAME.corrupt.N` if an
+    earlier one is kept there). Its WAL and shared-memory files go first and keep their pairing
+    (`NEW-wal`): a WAL left behind would be replayed into the new DB."""
+    target = path.with_name(f"{path.name}.corrupt")
+    number = 0
+    while any(Path(f"{target}{suffix}").exists() for suffix in ("", "-wal", "-shm")):
+        number += 1
+        target = path.with_name(f"{path.name}.corrupt.{number}")
+    for suffix in ("-wal", "-shm", ""):
+        try:
+            Path(f"{path}{suffix}").rename(f"{target}{suffix}")
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise from_os_error(exc, "move aside the damaged index DB", f"{path}{suffix}") from exc
+    return target
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why this process cannot create files in the DB's folder (None: it can). SQLite needs
+    to, for its journal or WAL, even to read a DB in WAL mode; a folder it cannot write is
+    opened read-only instead, so that listing and verifying still work."""
+    if os.access(folder, os.W_OK):
+        return None
+    try:
+        read_only_fs = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only_fs = False
+    kind = "on a read-only file system" if read_only_fs else "not writable by this user"
+    return f"its folder {folder} is {kind}"
+
+
+def _read_only_connector(path: Path) -> Callable[[], sqlite3.Connection]:
+    """Connections that open the DB read-only. With no WAL file beside it, also `immutable`:
+    SQLite cannot otherwise open a WAL-mode DB whose shared-memory file it cannot create, and
+    no change can be pending. The path is quoted: SQLite reads it as a URI."""
+    query = "mode=ro" if Path(f"{path}-wal").exists() else "mode=ro&immutable=1"
+    uri = f"file:{quote(str(path))}?{query}"
+    return lambda: sqlite3.connect(uri, uri=True, check_same_thread=False)
+
+
 class IndexDB:
     """An engine on the index DB, migrated to this flare's schema."""
 
@@ -193,14 +249,44 @@ class IndexDB:
         self.created = False
         """Whether this open made the DB's tables (a new or an emptied DB)."""
         self.sqlite_path = Path(parsed.database) if parsed.get_backend_name() == "sqlite" else None
+        self.unwritable: str | None = None
+        """Why the SQLite DB was opened read-only (its folder cannot be written), else None."""
+        options: dict[str, object] = {}
         if self.sqlite_path is not None:
-            self.sqlite_path.parent.mkdir(parents=True, exist_ok=True)
+            self.unwritable = self._sqlite_folder()
+            if self.unwritable:
+                options["creator"] = _read_only_connector(self.sqlite_path)
         try:
-            self.engine = create_engine(url)
+            self.engine = create_engine(url, **options)
         except (ArgumentError, ImportError, ValueError) as exc:
             raise _bad_url(url, exc) from exc
         if self.sqlite_path is not None:
             self._configure_sqlite()
+
+    def _sqlite_folder(self) -> str | None:
+        """Make the SQLite DB's folder if need be; say why it cannot be written, if so. A DB
+        that does not exist yet in such a folder cannot be made: refused at once."""
+        assert self.sqlite_path is not None
+        folder = self.sqlite_path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise from_os_error(exc, "create the index DB's folder", folder) from exc
+        unwritable = _unwritable(folder)
+        if unwritable and not self.sqlite_path.exists():
+            raise self._read_only("create", unwritable)
+        return unwritable
+
+    def _read_only(self, action: str, why: str | None = None, reading: bool = True) -> FlareError:
+        """Exit 7 for a change to a SQLite DB whose folder cannot be written; `reading`: the
+        DB opened read-only, so the hint can say what still works."""
+        assert self.sqlite_path is not None
+        works = "; reading commands (ls, show, verify) work on it as it is"
+        return PermissionDeniedError(
+            f"cannot {action} the index DB {self.sqlite_path}: {why or self.unwritable}",
+            "make it writable (remount it read-write, or fix its owner and mode) or use "
+            f"another registry{works if reading and self.sqlite_path.exists() else ''}",
+        )
 
     def _configure_sqlite(self) -> None:
         assert self.sqlite_path is not None
@@ -212,6 +298,9 @@ class IndexDB:
             connection.isolation_level = None  # pysqlite begins nothing: _begin does
             cursor = connection.cursor()
             cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            if self.unwritable:  # read-only: the journal mode is the writers' to set
+                cursor.close()
+                return
             _set_journal_mode(cursor, journal)
             cursor.execute(
                 "PRAGMA synchronous = FULL" if network else "PRAGMA synchronous = NORMAL"
@@ -239,6 +328,8 @@ class IndexDB:
             with self.engine.connect() as connection:
                 if self._current(connection) == SCHEMA_HEAD:
                     return SCHEMA_HEAD
+            if self.unwritable:
+                raise self._read_only("create or upgrade the tables of")
             with self._migration_lock(), self._writing() as connection:
                 return self._upgrade(connection)
         except DatabaseError as exc:
@@ -303,6 +394,8 @@ class IndexDB:
 
     def write(self, action: Callable[[Connection], T]) -> T:
         """Run a change in one transaction, retried while another writer holds the lock."""
+        if self.unwritable:
+            raise self._read_only("write")
         for attempt in range(WRITE_RETRIES):
             try:
                 with self._writing() as connection:
@@ -325,9 +418,12 @@ class IndexDB:
                 yield connection
 
     def _failure(self, exc: DatabaseError) -> FlareError | None:
-        """The error a user can act on, for a DB that is corrupt or whose disk is full."""
+        """The error a user can act on, for a DB that is corrupt, read-only (a DB file this
+        user may read but not write) or whose disk is full."""
         if self._is_corrupt(exc):
             return self._corrupt(exc)
+        if self.sqlite_path is not None and "readonly database" in str(exc):
+            return self._read_only("write", "the file is not writable by this user")
         if _disk_full(exc, self.sqlite_path):
             return self._full(exc)
         return None
@@ -345,6 +441,32 @@ class IndexDB:
             f"free space on {where}, then run the command again",
         )
 
+    def check(self) -> str | None:
+        """What SQLite's `PRAGMA quick_check` finds wrong with the DB (None: nothing; always
+        None on PostgreSQL, whose server keeps its own files whole). A damaged page fails only
+        the queries that touch it, so a DB that opens may still be damaged: verify reports it
+        and reindex moves it aside. Quick: it reads every page once, without matching indexes
+        to tables."""
+        if self.sqlite_path is None:
+            return None
+        try:
+            with self.engine.connect() as connection:
+                found = connection.exec_driver_sql("PRAGMA quick_check").scalars().all()
+        except DatabaseError as exc:
+            if self._is_corrupt(exc):
+                return str(exc.orig or exc).splitlines()[0]
+            raise self._failure(exc) or self._unreachable(exc) from exc
+        problems = [str(line) for line in found if line != "ok"]
+        return "; ".join(problems[:3]) or None
+
+    def damaged(self, problem: str) -> UnusableIndexError:
+        """Exit 10 for a DB that quick_check finds damaged, saying how to rebuild it."""
+        return UnusableIndexError(
+            f"the index DB {self.where()} is damaged ({problem})",
+            "run `flare registry reindex` to rebuild it from the store",
+            corrupt=True,
+        )
+
     def _is_corrupt(self, exc: Exception) -> bool:
         message = str(exc).lower()
         return "not a database" in message or "malformed" in message or "corrupt" in message
@@ -359,6 +481,14 @@ class IndexDB:
     def _unreachable(self, exc: Exception) -> FlareError:
         if self.sqlite_path is None and PG_NO_DATABASE.search(str(exc)):
             return self._no_database()
+        if self.unwritable:  # e.g. a WAL left by a killed writer, which only a writer recovers
+            reason = str(exc).splitlines()[0]
+            return self._read_only("open", f"{self.unwritable} ({reason})", reading=False)
+        if self.sqlite_path is not None and not os.access(self.sqlite_path, os.R_OK):
+            return PermissionDeniedError(
+                f"cannot read the index DB {self.sqlite_path}: permission denied",
+                "check the owner and mode of the file",
+            )
         return UnusableIndexError(
             f"cannot use the index DB {self.where()}: {str(exc).splitlines()[0]}",
             "check registry.database (FLARE_DATABASE) and that the server is up",

@@ -97,12 +97,21 @@ class Registry:
                 "--to` creates one",
             )
         self.db = IndexDB(database)
-        localindex.check_index_place(self)
-        self.db.migrate()
         self.cache_window_s = self._cache_window(cache_window)
         """How stale this host's view of the store's listings may be (0 on a local disk)."""
         self.notes: list[str] = []
         """Things the user should hear once, said while opening (the CLI prints them)."""
+        try:
+            self._open_index()
+        except BaseException:
+            self.db.dispose()  # no connection left open on a DB that reindex may move aside
+            raise
+
+    def _open_index(self) -> None:
+        """Migrate the index DB, then bring it up to the store: a host's own index catches up
+        from the journal; a new one is filled."""
+        localindex.check_index_place(self)
+        self.db.migrate()
         if self.db.sqlite_path is not None and self.store.backend.network:
             self.notes = localindex.sync(self, self.cache_window_s)
         elif self.db.created:
