@@ -34,6 +34,7 @@ from flare.sign.commands import warn_accepted
 from flare.sign.errors import UntrustedError
 from flare.store.commands import exit_for, print_verify, verify_fields
 from flare.store.digest import Digest
+from flare.store.names import check_name
 
 if TYPE_CHECKING:  # imported where used: a listing command should not load cryptography
     from flare.sign.verify import Verdict
@@ -119,6 +120,8 @@ def registry_ls(
     _no_trunc: NoTruncOption = False,
 ) -> None:
     """List published packages with their tags, sizes and pins."""
+    if name is not None:
+        check_name(name)  # a name no package can have is a typo, not an empty listing
     rows = open_registry(registry).listings(name, model)
     if as_json:
         print_json([vars(r) for r in rows])

@@ -360,12 +360,18 @@ class Registry:
     def _named(self, ref: str) -> tuple[str, Digest]:
         name, digest = self.resolve(ref)
         if name is None:
+            self.require_index(None, digest)  # a part of a package is said to be one
             owners = self.db.read(
                 lambda c: c.scalars(
                     select(publications.c.name).where(publications.c.digest == str(digest))
                 ).all()
             )
-            if len(owners) != 1:
+            if not owners:
+                raise NotFoundError(
+                    f"{ref} is package {digest}, which no name publishes now",
+                    "give a published package: see `flare registry ls`",
+                )
+            if len(owners) > 1:
                 raise InvalidInputError(
                     f"{ref} is published under {len(owners)} names", "give NAME@DIGEST"
                 )

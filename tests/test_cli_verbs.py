@@ -88,7 +88,7 @@ def test_a_part_of_a_package_is_shown_as_what_it_is(run_flare: RunFlare, source:
         (manifest["artifacts"][0], f"the {manifest['artifacts'][0]['kind']} "),
         (manifest["payloads"][0], "the payload of ranks [0]"),
     ):
-        for command in (("registry", "show"), ("pull", "--device", "cpu")):
+        for command in (("registry", "show"), ("pull", "--device", "cpu"), ("registry", "pin")):
             shown = run_flare(*command, part["digest"][7:19])
             message = last_line(shown.stderr)
             assert shown.returncode == INVALID, message
@@ -144,3 +144,10 @@ def test_tables_cut_long_cells_to_the_width_and_no_trunc_shows_them(run_flare: R
         assert all(len(line.rstrip()) <= width for line in shown[1:]) and "…" in "".join(shown)
     whole = run_flare("config", "show", "--no-trunc", env={"COLUMNS": "80"}).stdout
     assert "Hugging Face hub cache that ORG/NAME sources resolve in" in whole and "…" not in whole
+
+
+def test_listing_a_name_no_package_can_have_is_refused(run_flare: RunFlare) -> None:
+    """`ls --name ../x` once listed nothing and exited 0, where every other command refuses
+    the name."""
+    listed = run_flare("registry", "ls", "--name", "../x")
+    assert listed.returncode == INVALID and "bad package name '../x'" in last_line(listed.stderr)
