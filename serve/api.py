@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import secrets
 import struct
 import time
@@ -135,7 +136,7 @@ def create_app(
     )
     app.state.ready = False
     app.state.drain = Drain()
-    app.add_middleware(AdmitRequests, drain=app.state.drain)
+    app.add_middleware(AdmitRequests, drain=app.state.drain, failure=lambda: runtime.failure)
     app.state.limits = limits or BodyLimits()
     app.add_middleware(LimitBodies, limits=app.state.limits)
     app.add_middleware(AnswerFaults)  # the last added is the outermost: it sees every fault
@@ -391,7 +392,7 @@ class _Routes:
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
         except EngineStopping as exc:
-            raise refusal() from exc
+            raise refusal(self.runtime.failure) from exc
 
     async def _answer(self, body: Sampling, reply: _Reply, handle: RequestHandle) -> Any:
         if body.stream:
@@ -555,8 +556,18 @@ def _legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "top_logprobs": [_by_text(e["top_logprobs"]) for e in entries],
     }
+
+
+def _by_text(tops: list[dict[str, Any]]) -> dict[str, float]:
+    """Alternatives keyed by their text, as the completions API has them: tokens whose texts
+    are alike (byte tokens that each decode to U+FFFD) keep the likeliest one's logprob, so the
+    chosen token's stays (the last written, the least likely, used to win)."""
+    best: dict[str, float] = {}
+    for top in tops:
+        best[top["token"]] = max(best.get(top["token"], -math.inf), top["logprob"])
+    return best
 
 
 def _json(value: Any) -> str:

@@ -43,8 +43,16 @@ class Drain:
             await asyncio.sleep(POLL_S)
 
 
-def refusal() -> ApiError:
-    """What a request the server will not start now is answered."""
+def refusal(failure: str | None = None) -> ApiError:
+    """What a request the server will not start now is answered: to come again, unless the
+    server stops because its engine failed (`failure`), which a retry here cannot mend."""
+    if failure is not None:
+        return ApiError(
+            503,
+            f"the server's engine failed ({failure}); it is stopping",
+            "server_error",
+            code="engine_failed",
+        )
     return ApiError(
         503,
         "the server is shutting down; send the request again",
@@ -58,16 +66,20 @@ class AdmitRequests:
     """ASGI middleware: counts the `/v1/` requests in flight; once the drain has begun,
     refuses new ones."""
 
-    def __init__(self, app: ASGIApp, drain: Drain) -> None:
+    def __init__(
+        self, app: ASGIApp, drain: Drain, failure: Callable[[], str | None] = lambda: None
+    ) -> None:
         self.app = app
         self.drain = drain
+        self.failure = failure
+        """Why the engine failed, if it did (the runtime's `failure`)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
         if self.drain.begun:
-            await refusal().response()(scope, receive, send)
+            await refusal(self.failure()).response()(scope, receive, send)
             return
         self.drain.in_flight += 1
         try:

@@ -10,11 +10,13 @@ An exception that nothing else answered (a fault in the server's own code for on
 caught by `AnswerFaults`, around the whole app: its traceback is logged once, here, and the
 client gets a 500 with the same body; uvicorn does not see it, so does not log it again. A
 stream whose 200 has gone out ends with the error as its last event instead (serve/api.py).
-Cancellation (a client gone, a shutdown) is not an exception of this kind and passes through.
+Cancellation (a server stopping without waiting for its requests) is not an exception of this
+kind: it ends the request with one line logged rather than uvicorn's traceback for each.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -110,3 +112,8 @@ class AnswerFaults:
             error = internal_error(exc, f"{scope['method']} {scope['path']}")
             if not started:
                 await error.response()(scope, receive, send)
+        except asyncio.CancelledError:
+            # uvicorn cancels a request only when it stops without waiting (a second stop
+            # signal, or the drain's time up), and would log a traceback for each: one line
+            where = f"{scope['method']} {scope['path']}"
+            log.warning("%s cut short: the server stopped at once", where)

@@ -72,13 +72,16 @@ def url_of(sock: socket.socket) -> str:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """Bind the server's socket up front, so a taken port fails at once with flare's error
-    (before a model is loaded) rather than in uvicorn's log."""
+    """Bind the server's socket and listen on it up front, so a taken port fails at once with
+    flare's error (before a model is loaded) rather than in uvicorn's log. Listening is what
+    holds the port: with SO_REUSEADDR, two sockets that only bound it may both bind it, and
+    two servers started at once both passed this check."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(socket.SOMAXCONN)
     except OSError as exc:
         sock.close()
         raise FlareError(

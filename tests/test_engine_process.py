@@ -76,6 +76,7 @@ def test_a_killed_engine_fails_the_streams_in_flight_and_stops_the_server_with_e
     killed = time.monotonic()
     os.kill(engine_pid(server), signal.SIGKILL)
     health = wait_not_ok(server.root)
+    late = ask_once(server)  # a request after the engine died: not told to come again
     for thread in threads:
         thread.join(timeout=60)
         assert not thread.is_alive(), "a stream outlived its engine"
@@ -95,6 +96,19 @@ def test_a_killed_engine_fails_the_streams_in_flight_and_stops_the_server_with_e
         assert status == 200 and events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
         assert cause in error["message"] and error["type"] == "server_error", error
+    if late is not None:  # else the server had stopped listening before it was asked
+        assert late.status_code == 503 and "retry-after" not in late.headers, late.text
+        error = late.json()["error"]
+        assert error["code"] == "engine_failed" and cause in error["message"], error
+
+
+def ask_once(server: Server) -> httpx.Response | None:
+    """One small completion; None if the server no longer listens."""
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    try:
+        return httpx.post(f"{server.url}/completions", json=body, timeout=30)
+    except httpx.TransportError:
+        return None
 
 
 def wait_not_ok(root: str) -> httpx.Response | None:

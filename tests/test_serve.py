@@ -220,6 +220,21 @@ def test_seeded_sampling_repeats_and_logprobs_come_back(server: Server) -> None:
     assert all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in entries)
 
 
+def test_a_greedy_tokens_logprob_is_its_texts_in_top_logprobs(server: Server) -> None:
+    """The completions API keys alternatives by text; byte tokens that each decode to U+FFFD
+    once overwrote one another there, the least likely last, so the chosen token's entry
+    lost its own logprob."""
+    body = {"model": "tiny", "prompt": "the registry keeps", "max_tokens": 20}
+    body |= {"temperature": 0, "logprobs": 5, "ignore_eos": True}
+    reply = httpx.post(f"{server.url}/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    logprobs = reply.json()["choices"][0]["logprobs"]
+    columns = (logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"])
+    steps = zip(*columns, strict=True)
+    for token, logprob, top in steps:
+        assert top[token] == logprob == max(top.values()), (token, logprob, top)
+
+
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: Server) -> None:
     url = f"{server.url}/completions"
     cases = [
@@ -461,6 +476,22 @@ def test_a_taken_port_is_refused_at_once(home: Path, server: Server) -> None:
     assert done.returncode == 1
     assert done.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}: ")
     assert "pick another --port" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_two_servers_started_at_once_cannot_both_hold_the_port() -> None:
+    """The port is held by listening, not by binding: with SO_REUSEADDR two sockets that
+    only bound it could both bind it, and the later of two servers started together failed
+    only inside uvicorn, after loading its model (an internal error)."""
+    from flare.errors import FlareError
+    from flare.serve.server import listen
+
+    first = listen("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(FlareError, match=f"cannot listen on 127.0.0.1:{port}: "):
+            listen("127.0.0.1", port).close()
+    finally:
+        first.close()
 
 
 def test_a_kv_cache_larger_than_the_memory_is_refused_in_one_line(home: Path) -> None:
