@@ -8,6 +8,7 @@ column is rebuilt from these files.
 
 from __future__ import annotations
 
+from flare.errors import FlareError
 from flare.sign.errors import UntrustedError
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
@@ -34,10 +35,22 @@ def read_signatures(store: BlobStore, digest: Digest) -> list[bytes]:
     folder = f"{SIGNATURES_DIR}/{digest.hex}"
     found = []
     for name in store.backend.list_dir(folder):
-        data = store.backend.read(f"{folder}/{name}") if name.endswith(SUFFIX) else None
+        data = _read_file(store, f"{folder}/{name}") if name.endswith(SUFFIX) else None
         if data is not None:
             found.append(data)
     return found
+
+
+def _read_file(store: BlobStore, key: str) -> bytes | None:
+    """A signature file's bytes; None for a folder of that name, which holds no signature
+    (as a file of garbage is passed over): anyone who may write to a shared registry could
+    otherwise block every pull of a validly signed package with one `mkdir`."""
+    try:
+        return store.backend.read(key)
+    except FlareError as exc:
+        if isinstance(exc.__cause__, IsADirectoryError):
+            return None
+        raise
 
 
 def claimed_publisher(signatures: list[bytes]) -> str | None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from flare.errors import FlareError, IntegrityError, InvalidInputError, NotFoundError
 from flare.registry.leases import drop_expired_leases, live_leases
 from flare.registry.signatures import SIGNATURES_DIR, write_signature
-from flare.store.blobs import BlobStore
+from flare.store.blobs import BlobInfo, BlobStore
 from flare.store.digest import Digest, parse_prefix, resolve_prefix
 from flare.store.encoding import Encoding
 from flare.store.layout import blob_key
@@ -207,6 +207,19 @@ class HostCache:
             self.store.require(digest)
             paths[str(digest)] = self.store.backend.local_path(blob_key(digest, Encoding.PLAIN))
         return paths  # type: ignore[return-value]
+
+    def locate(self, digest: Digest) -> BlobInfo | None:
+        """The cached blob, if a file is there to read: anything else at its path (a folder)
+        is quarantined, so that the pull copies the blob again rather than finding it
+        present and the load failing on it."""
+        info = self.store.locate(digest)
+        if info is None:
+            return None
+        path = self.store.backend.local_path(blob_key(digest, info.encoding))
+        if path is not None and not path.is_file():
+            self.quarantine_if_corrupt(digest)
+            return None
+        return info
 
     def quarantine_if_corrupt(self, digest: Digest) -> str | None:
         """Re-hash a blob and, if corrupt, move it to quarantine/ (as `flare store verify`

@@ -14,6 +14,7 @@ import shutil
 from dataclasses import dataclass, field
 
 from flare.errors import FlareError, IntegrityError, NoSpaceError, NotFoundError
+from flare.faults import crash_point
 from flare.registry.leases import hold_lease
 from flare.registry.registry import Registry
 from flare.serve.cache import HostCache
@@ -126,7 +127,7 @@ def stored_sizes(
     sizes: dict[Digest, int] = {}
     missing = []
     for digest in manifest.blobs(ranks):
-        cached = cache.store.locate(digest)
+        cached = cache.locate(digest)
         source = registry.store.locate(digest)
         if source is not None:
             sizes[digest] = registry.store.plain_size(source)
@@ -180,10 +181,17 @@ def fetch(
     report = PullReport(plan)
 
     def copy(digest: Digest) -> PutResult:
+        crash_point("pull:blob")
         try:
             return registry.store.copy_to(cache.store, digest, progress)
         except (NotFoundError, IntegrityError) as exc:
             package = f"{plan.name or 'package'}@{plan.digest.short()}"
+            if not registry.store.backend.list_dir(""):  # the whole registry, not one blob
+                raise NotFoundError(
+                    f"the registry {registry.location} went away while {package} was pulled "
+                    "(unmounted or moved?)",
+                    "make it reachable again, then pull again: what was copied is kept",
+                ) from exc
             problem = exc.what if isinstance(exc, IntegrityError) else None
             raise _lost_blob(registry, package, digest, problem) from exc
 

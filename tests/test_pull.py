@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -200,3 +201,34 @@ def test_a_blob_lost_or_corrupt_in_the_registry_is_named_with_its_package(host: 
     refused = host.run("pull", "tiny", "--device", "cpu", code=3)
     line = refused.stderr.strip().splitlines()[-1]
     assert f"needs blob blake3:{payload.name}, which" in line and "lacks" in line, line
+
+
+def test_a_folder_where_a_cached_blob_should_be_is_quarantined_and_copied_again(
+    host: Host,
+) -> None:
+    """Once the pull found it present and every serve failed on `Is a directory`."""
+    pulled(host, "tiny")
+    payload = max(host.cached_blobs(), key=lambda p: p.stat().st_size)
+    payload.chmod(0o644)
+    payload.unlink()
+    payload.mkdir()
+    assert pulled(host, "tiny")["blobs"] == {"hardlink": 1}
+    assert payload.is_file()
+    quarantined = list((host.root / "packages" / "quarantine").iterdir())
+    assert [q.name.split(".")[0] for q in quarantined] == [payload.name]
+
+
+def test_a_registry_gone_during_a_pull_is_said_to_be_gone(host: Host) -> None:
+    """A NAS unmounted mid-pull is not a blob lost from the registry: no rebuild advised."""
+    from registry_helpers import stopped_at
+
+    process = stopped_at(host.env, "pull:blob:2", "pull", "tiny", "--device", "cpu")
+    registry = host.root / "registry"
+    registry.rename(host.root / "registry.gone")
+    process.send_signal(signal.SIGCONT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 3, stderr
+    assert f"the registry {registry} went away while tiny@" in stderr
+    assert "then pull again" in stderr and "build or push" not in stderr
+    (host.root / "registry.gone").rename(registry)
+    pulled(host, "tiny")  # what was copied is kept; the rest comes now

@@ -130,6 +130,20 @@ def test_a_trusted_signature_is_accepted(registry: Registry, sources: Path) -> N
     assert [r.publisher for r in registry.listings()] == ["alice"]
 
 
+def test_a_folder_among_the_signatures_blocks_nothing(registry: Registry, sources: Path) -> None:
+    """A folder named as a signature file (anyone who writes to a shared registry can make
+    one) is passed over like a garbage file; it once made every verify fail (exit 1)."""
+    from flare.registry.signatures import SIGNATURES_DIR, SUFFIX
+
+    alice = keys.generate_key(keys.KeyType.ECDSA_P256)
+    digest, manifest = build(registry, sources / "tiny-0", "alpha", alice)
+    folder = registry.store.backend.local_path(f"{SIGNATURES_DIR}/{digest.hex}/bbbb{SUFFIX}")
+    assert folder is not None
+    folder.mkdir()
+    verdict = check_trusted(registry.signatures(digest), digest, manifest, trusting(("a", alice)))
+    assert verdict.publisher == "a"
+
+
 def test_unsigned_and_unknown_keys_are_refused_naming_the_key(
     registry: Registry, sources: Path
 ) -> None:
