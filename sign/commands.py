@@ -19,11 +19,12 @@ from flare.cli_common import (
     print_json,
     print_table,
 )
-from flare.config import check_signing_unset, load_config, record_signing_key
+from flare.config import Config, check_signing_unset, load_config, record_signing_key
 from flare.errors import InvalidInputError
 from flare.sign import policy as trust
 
 if TYPE_CHECKING:
+    from flare.sign.keys import PrivateKey
     from flare.sign.verify import Verdict
 
 key_app = typer.Typer(help="Publisher keys: make one, list them.", no_args_is_help=True)
@@ -67,14 +68,11 @@ def key_generate(
     path = (out_file or config.file.parent / "keys" / f"{publisher}.pem").absolute()
     key = keys.generate_key(keys.parse_key_type(key_type))
     pem = keys.public_pem(key)
-    policy = trust.load_policy(config)
-    if not no_default:  # both refused before anything is written; the config first: its
-        check_signing_unset(config.file)  # hint works, `trust rm` would not be enough
-        policy = trust.add_key(policy, publisher, pem)
-    keys.write_private_key(key, path)
-    if not no_default:
-        record_signing_key(config.file, path, publisher)
-        trust.save_policy(policy, config["trust.file"])
+    if no_default:
+        trust.load_policy(config)  # a malformed trust file is reported before a key is made
+        keys.write_private_key(key, path)
+    else:
+        _make_default(config, key, path, publisher)
     data = {
         "publisher": publisher,
         "type": keys.key_type_of(key).value,
@@ -90,6 +88,23 @@ def key_generate(
     out.print(f"fingerprint {data['fingerprint']}\nprivate key {path}", markup=False)
     if not no_default:
         out.print(f"builds on this host are now signed as {publisher}, and {publisher} is trusted")
+
+
+def _make_default(config: Config, key: PrivateKey, path: Path, publisher: str) -> None:
+    """Write the key, make it the config's [signing] key and trust it, all under the trust
+    file's lock: a second `key generate` running at once then sees the first's [signing] and
+    is refused, instead of leaving [signing] naming one key and trust.toml trusting another."""
+    from flare.sign import keys
+
+    trust_file = config["trust.file"]
+    with trust.locked(trust_file):
+        # both refused before anything is written; the config first: its hint works,
+        # `trust rm` would not be enough
+        check_signing_unset(config.file)
+        policy = trust.add_key(trust.read_policy(trust_file), publisher, keys.public_pem(key))
+        keys.write_private_key(key, path)
+        record_signing_key(config.file, path, publisher)
+        trust.save_policy(policy, trust_file)
 
 
 @key_app.command("ls")
@@ -139,17 +154,18 @@ def trust_add(
 ) -> None:
     """Trust a publisher: by public key, or for keyless Sigstore by identity and issuer."""
     config = load_config()
-    policy = trust.load_policy(config)
     if key_file is not None and identity is None:
-        policy = trust.add_key(policy, name, _read_text(key_file))
+        pem = _read_text(key_file)
+        policy = trust.update_policy(config["trust.file"], lambda p: trust.add_key(p, name, pem))
     elif identity is not None and issuer is not None and key_file is None:
-        policy = trust.add_identity(policy, name, identity, issuer)
+        policy = trust.update_policy(
+            config["trust.file"], lambda p: trust.add_identity(p, name, identity, issuer)
+        )
     else:
         raise InvalidInputError(
             "flare trust add needs --key PUBFILE, or --identity ID and --issuer URL",
             "see flare trust add --help",
         )
-    trust.save_policy(policy, config["trust.file"])
     added = policy.by_name(name)
     assert added is not None
     print_done(as_json, _trust_row(added, policy), f"trusted {name} ({added.signer})")
@@ -196,8 +212,7 @@ def _trust_row(publisher: trust.TrustedPublisher, policy: trust.TrustPolicy) -> 
 @trust_app.command("rm")
 def trust_rm(name: str, as_json: JsonOption = False) -> None:
     """Stop trusting a publisher (its key is not revoked: see flare trust revoke)."""
-    config = load_config()
-    trust.save_policy(trust.remove(trust.load_policy(config), name), config["trust.file"])
+    trust.update_policy(load_config()["trust.file"], lambda p: trust.remove(p, name))
     print_done(as_json, {"removed": name}, f"no longer trusting {name}")
 
 
@@ -207,6 +222,6 @@ def trust_revoke(
     as_json: JsonOption = False,
 ) -> None:
     """Refuse a key from now on, even with --dangerously-accept-publisher."""
-    config = load_config()
-    trust.save_policy(trust.revoke(trust.load_policy(config), fingerprint), config["trust.file"])
+    fingerprint = trust.check_fingerprint(fingerprint)
+    trust.update_policy(load_config()["trust.file"], lambda p: trust.revoke(p, fingerprint))
     print_done(as_json, {"revoked": fingerprint}, f"revoked {fingerprint}")

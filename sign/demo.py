@@ -22,10 +22,16 @@ def development_key(config: Config, say: Callable[[str], None]) -> keys.PrivateK
         keys.write_private_key(keys.generate_key(), path)
         say(f"made a development signing key {path}")
     key = keys.load_private_key(path)
-    policy = trust.load_policy(config)
-    if policy.by_fingerprint(keys.fingerprint(key)) is None:
-        if policy.by_name(DEMO_PUBLISHER) is not None:
-            policy = trust.remove(policy, DEMO_PUBLISHER)
-        policy = trust.add_key(policy, DEMO_PUBLISHER, keys.public_pem(key))
-        trust.save_policy(policy, config["trust.file"])
+    if trust.load_policy(config).by_fingerprint(keys.fingerprint(key)) is None:
+        trust.update_policy(config["trust.file"], lambda policy: _trust_demo(policy, key))
     return key
+
+
+def _trust_demo(policy: trust.TrustPolicy, key: keys.PrivateKey) -> trust.TrustPolicy:
+    """Trust the demo key as DEMO_PUBLISHER (run under the trust file's lock, so a `flare
+    trust` change made meanwhile is kept), replacing an older demo key of that name."""
+    if policy.by_fingerprint(keys.fingerprint(key)) is not None:
+        return policy
+    if policy.by_name(DEMO_PUBLISHER) is not None:
+        policy = trust.remove(policy, DEMO_PUBLISHER)
+    return trust.add_key(policy, DEMO_PUBLISHER, keys.public_pem(key))

@@ -138,8 +138,17 @@ def load_private_key(path: Path) -> PrivateKey:
 
 
 def load_public_key(pem: str | bytes, where: str) -> PublicKey:
-    """A public key from PEM text (a private key's PEM is refused: it must not be shared)."""
+    """A public key from PEM text (a private key's PEM is refused: it must not be shared).
+
+    Exactly one key: cryptography would read the first of several blocks, and a trust entry
+    would then show one fingerprint while its stored text carries other keys."""
     data = pem.encode() if isinstance(pem, str) else pem
+    blocks = data.count(b"-----BEGIN ")
+    if blocks > 1:
+        raise InvalidInputError(
+            f"{where} holds {blocks} PEM blocks, not one public key",
+            "pass a file with just the publisher's one public key",
+        )
     try:
         key = serialization.load_pem_public_key(data)
     except (ValueError, UnsupportedAlgorithm) as exc:

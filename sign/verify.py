@@ -87,6 +87,8 @@ def _check_one(
     if trusted is not None:
         verdict = Verdict(trusted.name, signed.signer)
         key = _key(trusted.public_key or "", verdict, package)
+    elif policy.by_name(claimed) is not None:
+        raise _impostor(package, claimed, signed.signer, policy, "--key PUBFILE")
     elif accept_publisher is not None and accept_publisher == claimed:
         verdict = Verdict(claimed, signed.signer, accepted_dangerously=True)
         key = _claimed_key(signed, verdict, package)
@@ -105,6 +107,27 @@ def _check_one(
         )
     _check_subject(signed, digest, verdict, package, {"blake3": digest.hex})
     return verdict
+
+
+def _impostor(
+    package: str, claimed: str, signer: str, policy: TrustPolicy, add_args: str
+) -> UntrustedError:
+    """A signature claiming a publisher this host trusts under another key or identity.
+
+    Refused even with --dangerously-accept-publisher: that flag lets in a publisher this host
+    does not know, never a second key for one it does, which is what an impostor would use."""
+    trusted = policy.by_name(claimed)
+    assert trusted is not None
+    kind = "key" if trusted.fingerprint else "identity"
+    old = trusted.fingerprint
+    revoke = f" (and flare trust revoke {old} if it leaked)" if old else ""
+    return UntrustedError(
+        f"{package} is signed by {signer} claiming {claimed}, which this host trusts with "
+        f"another {kind} ({trusted.signer})",
+        f"it may be an impostor: ask {claimed} out of band; only if they did change to {signer}, "
+        f"replace the old {kind}: flare trust rm {claimed}, then flare trust add {claimed} "
+        f"{add_args}{revoke}",
+    )
 
 
 def _key(pem: str, verdict: Verdict, package: str) -> PublicKey:
@@ -157,6 +180,8 @@ def _check_keyless(
     claimed = signed.claim.publisher
     if trusted:
         verdict, issuer = Verdict(trusted[0].name, signed.signer), trusted[0].issuer
+    elif policy.by_name(claimed) is not None:
+        raise _impostor(package, claimed, signed.signer, policy, "--identity ID --issuer URL")
     elif accept_publisher is not None and accept_publisher == claimed:
         verdict, issuer = Verdict(claimed, signed.signer, accepted_dangerously=True), None
     else:
