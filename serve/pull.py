@@ -198,7 +198,8 @@ def fetch(
     with hold_lease(registry.store, "pull", packages=[plan.digest]):
         for result in parallel_map(copy, [d for d, _ in plan.admission.missing], workers):
             report.methods[result.method] = report.methods.get(result.method, 0) + 1
-            report.bytes += result.size
+            if result.method != "existing":  # another pull's, meanwhile: not moved by this one
+                report.bytes += result.size
         cache.add(plan.digest, plan.index, plan.signatures, plan.name)
     return report
 
