@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,10 +45,22 @@ def read_json_object(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise from_os_error(exc, "read", path) from exc
     except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, a huge integer, nesting
-        raise InvalidInputError(f"{path} is not valid JSON: {exc}", "fix the checkpoint") from exc
+        raise InvalidInputError(
+            f"{path} is not valid JSON: {_problem(exc)}", "fix the checkpoint"
+        ) from exc
     if not isinstance(value, dict):
         raise InvalidInputError(f"{path} is not a JSON object", "fix the checkpoint")
     return value
+
+
+def _problem(exc: Exception) -> str:
+    """What is wrong with a JSON file, in words for its author: Python's own for an integer
+    too long to read advises raising an interpreter limit, which is not theirs to do."""
+    if "integer string conversion" in str(exc):
+        return (
+            f"an integer of more than {sys.get_int_max_str_digits()} digits, which no setting has"
+        )
+    return str(exc)
 
 
 def _no_constant(name: str) -> Any:

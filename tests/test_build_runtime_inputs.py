@@ -114,6 +114,8 @@ MALFORMED = [
      "config.json is not valid JSON: Infinity is not a JSON number"),
     ("nan", raw_config('"rms_norm_eps": 1e-06', '"rms_norm_eps": NaN'),
      "config.json is not valid JSON: NaN is not a JSON number"),
+    ("huge-integer", raw_config('"rms_norm_eps": 1e-06', '"rms_norm_eps": ' + "9" * 5000),
+     "config.json is not valid JSON: an integer of more than 4300 digits, which no setting"),
 ]  # fmt: skip
 
 
