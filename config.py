@@ -186,6 +186,13 @@ SETTINGS: tuple[Setting, ...] = (
         "time a request body may take to arrive at flare serve (408 past it)",
     ),
     Setting(
+        "serve.stall_timeout",
+        "FLARE_SERVE_STALL_TIMEOUT",
+        parse_timeout,
+        lambda _h, _e: "60s",
+        "time flare serve's engine may have work and finish no step (/health 503 past it)",
+    ),
+    Setting(
         "store.encoding",
         "FLARE_STORE_ENCODING",
         Encoding.from_name,

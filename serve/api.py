@@ -142,7 +142,10 @@ def create_app(
     app.add_middleware(AnswerFaults)  # the last added is the outermost: it sees every fault
     _add_error_handlers(app)
     routes = _Routes(runtime, package)
-    unready = {"model": Health, "description": "starting, or draining after a stop signal"}
+    unready = {
+        "model": Health,
+        "description": "starting, draining after a stop signal, stalled or failed",
+    }
     health = {200: {"model": Health}, 503: unready}
     app.get("/health", response_model=None, responses=health)(routes.health)
     app.head("/health", include_in_schema=False)(routes.health)  # load balancers' probes
@@ -274,12 +277,16 @@ class _Routes:
     async def health(self, request: Request) -> JSONResponse:
         if self.runtime.failure is not None:
             return JSONResponse({"status": "failed", "error": self.runtime.failure}, 503)
+        if self.runtime.stall is not None:
+            return JSONResponse({"status": "stalled", "error": self.runtime.stall}, 503)
         if request.app.state.drain.begun:
             return JSONResponse({"status": "draining"}, 503)
         ready = bool(request.app.state.ready)
         return JSONResponse({"status": "ok" if ready else "starting"}, 200 if ready else 503)
 
-    async def metrics(self) -> PlainTextResponse:
+    def metrics(self) -> PlainTextResponse:
+        """Run in a worker thread (a plain def): the figures are asked of the engine process,
+        which may take a while to answer, and the event loop must not wait for it."""
         text, content_type = render_metrics(self.runtime, self.build)
         return PlainTextResponse(text, media_type=content_type)
 

@@ -185,6 +185,14 @@ def serve_command(
             "serve.body_timeout)."
         ),
     ] = None,
+    stall_timeout: Annotated[
+        str | None,
+        typer.Option(
+            help="Time the engine may have work and finish no step, or not answer, e.g. 60s; "
+            "/health answers 503 stalled past it, until it goes on (default: "
+            "serve.stall_timeout).",
+        ),
+    ] = None,
     ranks: Annotated[
         int | None,
         typer.Option(
@@ -264,6 +272,7 @@ def serve_command(
                     batch_invariant,
                     prefill_graphs,
                     engine=engine,
+                    stall_timeout=_stall_timeout(stall_timeout),
                 )
             except BaseException as exc:
                 if leader is not None:
@@ -297,6 +306,11 @@ def _body_limits(max_body_size: str | None, body_timeout: str | None) -> BodyLim
         _option("--max-body-size", max_body_size, parse_body_size, config["serve.max_body_size"]),
         _option("--body-timeout", body_timeout, parse_timeout, config["serve.body_timeout"]),
     )
+
+
+def _stall_timeout(given: str | None) -> float | None:
+    """--stall-timeout in seconds; None for serve.stall_timeout."""
+    return _option("--stall-timeout", given, parse_timeout, None)
 
 
 def _option(

@@ -6,6 +6,13 @@ A load failure in the engine process is raised here as the flare error it was, e
 included. If the engine process dies (killed, out of memory), every request in flight fails at
 once with the cause, new ones are refused, /health answers 503 saying it, and the server stops
 (`Runtime.on_lost`) and exits 1.
+
+An engine that hangs instead (a device call or collective that never returns, the process
+frozen by a signal or a debugger) is found by a watchdog: past the stall timeout without a
+step while it has work, or without an answer, /health answers 503 `stalled` saying which, and
+ok again once it steps. Nothing is failed meanwhile: a hang that ends finishes its requests.
+Messages to the engine process are written by a thread of their own, so a full pipe to a
+process that stopped reading never blocks the API's event loop, /health included.
 """
 
 from __future__ import annotations
@@ -13,9 +20,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import queue
 import signal
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -36,14 +45,23 @@ from flare.serve.heap import freeze_heap
 from flare.serve.models.files import PackageFiles
 from flare.serve.package_text import PackageText, read_text
 from flare.serve.runtime import Runtime, SamplingParams, token_budget
-from flare.serve.thread_names import READER_THREAD, name_os_thread
+from flare.serve.thread_names import (
+    READER_THREAD,
+    WATCHDOG_THREAD,
+    WRITER_THREAD,
+    name_os_thread,
+)
 
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0
+WATCH_EVERY_S = 2.0
+"""How often the watchdog asks the engine process how long its engine has been stuck."""
 
 
-def start_engine(spec: EngineSpec, package: PackageFiles, engine: EngineProcess) -> EngineClient:
+def start_engine(
+    spec: EngineSpec, package: PackageFiles, engine: EngineProcess, stall_timeout: float
+) -> EngineClient:
     """Have `engine` load the package and wait until it has; its load error is raised here as
     the flare error it was. `package` is the same package, whose text side (tokenizer, chat
     template, settings, the prompt bound) the API reads here while the engine loads: read
@@ -72,7 +90,7 @@ def start_engine(spec: EngineSpec, package: PackageFiles, engine: EngineProcess)
     if kind == "failed":
         process.join()
         raise value.error()
-    return EngineClient(process, ours, package, value, text)
+    return EngineClient(process, ours, package, value, text, stall_timeout)
 
 
 class EngineClient(Runtime):
@@ -88,6 +106,7 @@ class EngineClient(Runtime):
         package: PackageFiles,
         ready: Ready,
         text: PackageText,
+        stall_timeout: float,
     ) -> None:
         super().__init__(package, ready.context_length, text)
         package.weights_read = ready.weights_read
@@ -97,16 +116,24 @@ class EngineClient(Runtime):
         self.memory_plan = ready.memory_plan
         self._process = process
         self._conn = conn
-        self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue[Event | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         """Guards the open requests and calls against the engine's loss."""
         self._handles: dict[int, RequestHandle] = {}
         self._calls: dict[int, Future[Any]] = {}
         self._ids = itertools.count()
         self._accepting = True
+        self.stall_timeout = stall_timeout
+        self.stalled_seconds = 0.0
+        """The engine's time stuck, as the watchdog last saw it (0 when it steps)."""
+        self._silent = False
+        """Whether the engine process left the watchdog's last question unanswered."""
+        self._closed = threading.Event()
         sys.setswitchinterval(GIL_SWITCH_SECONDS)
         self._reader = threading.Thread(target=self._read, name=READER_THREAD, daemon=True)
         self._reader.start()
+        threading.Thread(target=self._write, name=WRITER_THREAD, daemon=True).start()
+        threading.Thread(target=self._watch, name=WATCHDOG_THREAD, daemon=True).start()
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
         """Queue a request in the engine process; raises ValueError for a prompt or budget
@@ -122,17 +149,29 @@ class EngineClient(Runtime):
         return handle
 
     def stats(self) -> dict[str, float]:
-        return self._call("stats")
+        """The engine's figures, and how long it has been stuck; only the latter from an
+        engine process that does not answer (a scrape must not wait on a hung engine)."""
+        return {**self._figures("stats"), "engine_stalled_seconds": self.stalled_seconds}
 
     def kv_stats(self) -> dict[str, int]:
-        return self._call("kv_stats")
+        return self._figures("kv_stats")
+
+    def _figures(self, name: str) -> dict[str, Any]:
+        if self._silent:
+            return {}
+        try:
+            return self._call(name)
+        except TimeoutError:
+            return {}
 
     def stop(self, drain: bool = True) -> None:
         """Stop the engine process: it finishes (drain) or cancels its requests, then exits;
         one that outlives STOP_TIMEOUT_S is killed."""
         with self._lock:
             self._accepting = False
+        self._closed.set()
         self._send(("stop", drain))
+        self._outbox.put(None)
         self._reader.join(STOP_TIMEOUT_S)
         self._process.join(1 if self._reader.is_alive() else STOP_TIMEOUT_S)
         if self._process.is_alive():
@@ -141,8 +180,9 @@ class EngineClient(Runtime):
             self._process.join()
         self._conn.close()
 
-    def _call(self, name: str) -> Any:
-        """A runtime method's value from the engine process ({} once the engine is lost)."""
+    def _call(self, name: str, timeout: float = CALL_TIMEOUT_S) -> Any:
+        """A runtime method's value from the engine process ({} once the engine is lost);
+        TimeoutError if it gives none in `timeout` seconds."""
         cid = next(self._ids)
         future: Future[Any] = Future()
         with self._lock:
@@ -150,12 +190,55 @@ class EngineClient(Runtime):
                 return {}
             self._calls[cid] = future
         self._send(("call", cid, name))
-        return future.result(CALL_TIMEOUT_S)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            with self._lock:
+                self._calls.pop(cid, None)
+            raise
 
     def _send(self, message: Event) -> None:
-        """To the engine process; once it is gone, nothing (the reader fails what was open)."""
-        with contextlib.suppress(OSError), self._send_lock:
-            self._conn.send(message)
+        """To the engine process, by the writer thread: the caller never waits on the pipe."""
+        self._outbox.put(message)
+
+    def _write(self) -> None:
+        """The writer thread: messages to the engine process in their order, until the None
+        that `stop` queues; once the process is gone, nothing (the reader fails what was
+        open)."""
+        name_os_thread(WRITER_THREAD)
+        while (message := self._outbox.get()) is not None:
+            with contextlib.suppress(OSError):
+                self._conn.send(message)
+
+    def _watch(self) -> None:
+        """The watchdog thread: every few seconds, how long the engine has had work and
+        finished no step; past the stall timeout, or with no answer in that time, the
+        runtime is stalled (/health says so) until the engine steps again."""
+        name_os_thread(WATCHDOG_THREAD)
+        answered = time.monotonic()
+        while not self._closed.wait(min(WATCH_EVERY_S, self.stall_timeout / 4)):
+            try:
+                stuck = self._call("stalled_for", self.stall_timeout)
+            except TimeoutError:
+                silent = time.monotonic() - answered
+                self._silent = True
+                self._set_stall(f"the engine process has not answered for {silent:.0f} s", silent)
+                continue
+            if self.failure is not None:
+                return
+            answered = time.monotonic()
+            self._silent = False
+            cause = f"the engine has finished no step for {stuck:.0f} s with requests waiting"
+            self._set_stall(cause if stuck >= self.stall_timeout else None, stuck)
+
+    def _set_stall(self, cause: str | None, seconds: float) -> None:
+        """Record the watchdog's finding; log when the engine stalls and when it goes on."""
+        if cause is not None and self.stall is None:
+            log.error("%s; /health answers 503 until it goes on", cause)
+        elif cause is None and self.stall is not None:
+            log.warning("the engine goes on after a stall (%s)", self.stall)
+        self.stall = cause
+        self.stalled_seconds = seconds if cause is not None else 0.0
 
     def _read(self) -> None:
         """The reader thread: the engine process's events, to their handles and calls, until
@@ -177,7 +260,9 @@ class EngineClient(Runtime):
         with self._lock:
             for kind, key, value in events:
                 if kind == "reply":
-                    _settle(self._calls.pop(key), value)
+                    future = self._calls.pop(key, None)
+                    if future is not None:  # else asked by a watchdog that gave up waiting
+                        _settle(future, value)
                     continue
                 item = Delta(*value) if isinstance(value, tuple) else value
                 handle = self._handles.get(key)

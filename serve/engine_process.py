@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CALLS = frozenset({"stats", "kv_stats"})
+CALLS = frozenset({"stats", "kv_stats", "stalled_for"})
 """The runtime's methods the API process may call in the engine process."""
 
 STOP_TIMEOUT_S = 120.0

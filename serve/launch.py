@@ -120,6 +120,7 @@ def load_package_app(
     prefill_graphs: bool | None = None,
     *,
     engine: EngineProcess,
+    stall_timeout: float | None = None,
 ) -> tuple[Runtime, FastAPI]:
     """Load the pulled package on the device pull admitted it for (printing what it cost)
     and make its API app: a generating package in `engine`, the engine process started
@@ -150,7 +151,8 @@ def load_package_app(
     runtime: Runtime
     if leader is None and model_kind(package) == "generate":
         spec = EngineSpec(manifest, dict(files), plan.device, cache.root, options)
-        runtime = start_engine(spec, package, engine)
+        stall = stall_timeout or load_config()["serve.stall_timeout"]
+        runtime = start_engine(spec, package, engine, stall)
     else:  # embeddings answer no streams; rank zero's engine steps its group in this process
         engine.close()
         runtime = load_runtime(

@@ -223,6 +223,9 @@ class Runtime:
     failure: str | None = None
     """Why the runtime can serve no more (a tensor-parallel rank was lost, the engine process
     died): /health says it."""
+    stall: str | None = None
+    """Why the runtime makes no progress now (its engine finished no step, or its engine
+    process gave no answer, for the stall timeout): /health says it until progress resumes."""
     on_lost: Callable[[], None] | None = None
     """Called, from any thread, once the runtime can serve no more: the server stops on it
     (serve/server.py) and exits non-zero, so that a supervisor starts it again."""
@@ -411,6 +414,9 @@ class GenerateRuntime(Runtime):
 
     def kv_stats(self) -> dict[str, int]:
         return self.engine.kv_stats()
+
+    def stalled_for(self) -> float:
+        return self.engine.stalled_for()
 
     def stats(self) -> dict[str, float]:
         """The engine's figures, and `compilations`: everything compiled since the runtime

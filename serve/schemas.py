@@ -365,7 +365,9 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok", "starting", "draining"]
+    status: Literal["ok", "starting", "draining", "stalled", "failed"]
+    error: str | None = None
+    """Why, when stalled (the engine makes no progress) or failed (it can serve no more)."""
 
 
 class ServedPackageInfo(BaseModel):

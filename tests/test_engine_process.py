@@ -10,15 +10,20 @@
   was, with its exit code (tests/test_load_verify.py: a rotten weight blob, found and
   quarantined by the engine process, exits 6 with the blob named).
 - The runtime's figures (/metrics) are the engine's own, read across the boundary.
+- An engine process that hangs (frozen here by SIGSTOP) is reported: /health answers 503
+  `stalled` past the stall timeout, and fast, however many requests wait for the engine; the
+  requests in flight are not failed, and /health answers ok again once it goes on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -141,6 +146,73 @@ def test_metrics_are_the_engines_own_figures(home: Path) -> None:
         assert steps >= 7 and in_steps > 0 and 0 <= waiting <= in_steps
     finally:
         assert server.stop()[0] == 0
+
+
+def health_of(root: str) -> httpx.Response:
+    """/health, which must answer within 2 s whatever the engine does."""
+    started = time.monotonic()
+    health = httpx.get(f"{root}/health", timeout=10)
+    assert time.monotonic() - started < 2, "/health waited on the engine"
+    return health
+
+
+def wait_health(root: str, status: str, within: float) -> httpx.Response:
+    """/health's first answer whose status is `status`."""
+    deadline = time.monotonic() + within
+    while (health := health_of(root)).json()["status"] != status:
+        assert time.monotonic() < deadline, f"/health never said {status}: {health.text}"
+        time.sleep(0.1)
+    return health
+
+
+def post_long_prompts(url: str, count: int) -> threading.Thread:
+    """`count` requests of 500-token prompts at once, on a thread: about 1 KB each to the
+    engine process, more in all than the pipe to a frozen one holds (212 KB here), so that an
+    API that wrote to it itself would block its event loop, /health with it."""
+    body = {"model": "tiny", "prompt": [10 + i % 240 for i in range(500)], "max_tokens": 1}
+
+    async def post_all() -> None:
+        limits = httpx.Limits(max_connections=count)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            posts = [client.post(f"{url}/completions", json=body) for _ in range(count)]
+            await asyncio.gather(*posts, return_exceptions=True)
+
+    thread = threading.Thread(target=asyncio.run, args=(post_all(),))
+    thread.start()
+    return thread
+
+
+def test_a_frozen_engine_is_reported_stalled_then_ok_and_its_streams_end_whole(
+    home: Path,
+) -> None:
+    server = Server(flare_env(home), "tiny", "--kv-cache-tokens", "4096", "--stall-timeout", "2s")
+    engine = engine_pid(server)
+    try:
+        threads, streams = start_streams(server, 2)
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            threads.append(post_long_prompts(server.url, 400))
+            stalled = wait_health(server.root, "stalled", within=30)
+            assert stalled.status_code == 503
+            assert stalled.json()["error"].startswith("the engine process has not answered for")
+            assert health_of(server.root).json()["status"] == "stalled"
+            assert server.metric("flare_engine_stalled_seconds") >= 2
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        assert wait_health(server.root, "ok", within=30).status_code == 200
+        assert server.metric("flare_engine_stalled_seconds") == 0
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        code, stderr = server.stop()
+    assert code == 0, stderr
+    assert "the engine process has not answered for" in stderr and "/health answers 503" in stderr
+    assert "the engine goes on after a stall" in stderr
+    for stream in streams:
+        assert not isinstance(stream, Exception), stream
+        status, events = stream
+        assert status == 200 and events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == STREAM_TOKENS
 
 
 def processes_of(home: Path) -> list[int]:

@@ -10,6 +10,7 @@ import json
 import math
 import random
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -319,6 +320,30 @@ def test_cancel_frees_the_blocks(llama: GenerateRuntime) -> None:
     handle.cancel()
     assert [d.finish_reason for d in deltas][-1] == "cancelled"
     assert llama.kv_stats()["blocks_used"] == baseline
+
+
+def test_an_engine_stuck_in_a_step_says_for_how_long_and_zero_once_it_goes_on(
+    llama: GenerateRuntime,
+) -> None:
+    """A device call or collective that never returns: the engine thread hangs mid-step, its
+    process answers on; the watchdog's figure (`stalled_for`) is how it tells a hang."""
+    with started(llama) as runtime:
+        engine = runtime.engine  # type: ignore[attr-defined]
+        assert runtime.stalled_for() == 0  # type: ignore[attr-defined]
+        release = threading.Event()
+        run = engine.runner.run
+        engine.runner.run = lambda *args: (release.wait(), run(*args))[1]
+        handle = runtime.submit(varied_prompts(llama, 1)[0], greedy(4))
+        time.sleep(1.5)
+        assert runtime.stalled_for() >= 1.4  # type: ignore[attr-defined]
+        release.set()
+        assert len(collect(handle)[1]) == 4
+        deadline = time.monotonic() + 10
+        while runtime.stalled_for() != 0:  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, "an idle engine still counts as stuck"
+            time.sleep(0.01)
+        time.sleep(1.5)  # idle: its clock is stopped
+        assert runtime.stalled_for() == 0  # type: ignore[attr-defined]
 
 
 def test_preemption_with_a_small_cache_keeps_outputs(llama: GenerateRuntime) -> None:

@@ -354,7 +354,7 @@ def test_an_engine_given_its_package_before_its_backends_reads_beside_them_and_a
     assert on_gpu == ["_cublas_handle", "_import_flashinfer", "start"]
     files = host.files(manifest)
     spec = EngineSpec(manifest, dict(files), "cpu", host.root, {"cuda_graphs": False})
-    client = start_engine(spec, package_files(host, manifest), EngineProcess("cpu"))
+    client = start_engine(spec, package_files(host, manifest), EngineProcess("cpu"), 60.0)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [[1, 2, 3], [7, 8, 9, 10, 11]]
     try:

@@ -116,6 +116,8 @@ class Engine:
         self._draining = False
         self._flight: _Flight | None = None
         self._landed_at = 0.0
+        self._beat = time.monotonic()
+        """When the engine thread last finished a step, or was last given work while idle."""
         self.overlap = runner.reads_fresh_tokens
         """Whether the next step is launched before the step in flight lands."""
         self.after_step: Callable[[], None] | None = None
@@ -162,7 +164,18 @@ class Engine:
         """Whether a request waits or runs, or a step is in flight (not yet landed)."""
         return self.scheduler.has_work() or self._flight is not None
 
+    def stalled_for(self) -> float:
+        """Seconds the engine thread has had work and finished no step (0 while it has none):
+        a watchdog's figure. A step past the serve's stall timeout is a hang (a device or a
+        collective that never returns, the thread frozen), not a slow step: a step is
+        milliseconds on a GPU, and a CPU's longest prefill a few seconds."""
+        if not self._wake.is_set():
+            return 0.0
+        return max(0.0, time.monotonic() - self._beat)
+
     def _post(self, action: Callable[[], None]) -> None:
+        if not self._wake.is_set():  # an idle engine's clock starts when work reaches it
+            self._beat = time.monotonic()
         self._inbox.put(action)
         self._wake.set()
 
@@ -181,6 +194,7 @@ class Engine:
             if self.after_step is not None:
                 self.after_step()
             self.counters.step_seconds += time.perf_counter() - started
+            self._beat = time.monotonic()
             if not self.busy() and self._inbox.empty():
                 self._wake.clear()
                 if not self._inbox.empty():  # posted between the check and the clear
