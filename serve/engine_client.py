@@ -220,6 +220,8 @@ class EngineClient(Runtime):
             try:
                 stuck = self._call("stalled_for", self.stall_timeout)
             except TimeoutError:
+                if self._closed.is_set():  # stopping: the engine answers no more calls
+                    return
                 silent = time.monotonic() - answered
                 self._silent = True
                 self._set_stall(f"the engine process has not answered for {silent:.0f} s", silent)
