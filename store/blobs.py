@@ -1,8 +1,16 @@
 """The content-addressed blob store: immutable bytes named by their BLAKE3 digest.
 
 A blob is written to a temp file inside the store, hashed while written, fsynced, made
-read-only and renamed into `blobs/blake3/<2 hex>/<64 hex>[.zst]`. A blob that exists is
-complete and correct by construction; concurrent writers of one blob are harmless.
+read-only and renamed into `blobs/blake3/<2 hex>/<64 hex>[.zst]`, never over a file already
+there; concurrent writers of one blob are harmless (they hold the same bytes).
+
+A writer that finds its blob stored reuses it (`existing`) after a cheap check, not a re-read:
+the plain size the stored file claims (its size, or the size its zstd frame header records)
+must be the size just written. A stored file that claims another size, or that is not a
+regular file, was damaged after it was written (truncated, replaced): it is moved to
+quarantine and the writer's own bytes are published in its place (`repaired`). Damage that
+keeps the claimed size (changed bytes, a zstd frame cut short after its header) is not seen by
+writers: readers check digests, and `verify` quarantines such a blob.
 """
 
 from __future__ import annotations
@@ -13,9 +21,16 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from stat import S_ISREG
+from typing import BinaryIO, Literal
 
-from flare.errors import IntegrityError, InvalidInputError, NotFoundError, from_os_error
+from flare.errors import (
+    FlareError,
+    IntegrityError,
+    InvalidInputError,
+    NotFoundError,
+    from_os_error,
+)
 from flare.store.backends import Backend, StoredFile, TempFile, open_backend
 from flare.store.backends.base import TMP_DIR
 from flare.store.copying import COPY_CHUNK, copy_hashing, hash_stream
@@ -64,7 +79,9 @@ class PutResult:
     digest: Digest
     size: int
     method: str
-    """copy, reflink, hardlink, or existing (the blob was already stored)."""
+    """copy, reflink, hardlink, existing (the blob was already stored, with the right size),
+    or repaired (a stored file of the wrong size was moved to quarantine, and these bytes
+    published in its place)."""
 
 
 @dataclass(frozen=True)
@@ -240,17 +257,35 @@ class BlobStore:
     def copy_to(
         self, other: BlobStore, digest: Digest, progress: Progress | None = None
     ) -> PutResult:
-        """Copy one blob into another store: linked on one filesystem, always verified."""
+        """Copy one blob into another store: linked on one filesystem, always verified.
+
+        A copy already there is reused when it claims the source's plain size. One that
+        claims another size is replaced (`repaired`) once the copied bytes hash right; if they
+        do not, the source is the damaged one: the copy there stays, reported `existing`."""
         info = self.require(digest)
-        if other.touch(digest):
-            return PutResult(digest, self.plain_size(info), "existing")
+        size = self.plain_size(info)
+        stored = other._stored_size_matches(digest, size)
+        if stored:
+            return PutResult(digest, size, "existing")
+        try:
+            return self._copy_into(other, info, size, progress)
+        except IntegrityError:
+            held = other.locate(digest) if stored is not None and other.touch(digest) else None
+            if held is None:
+                raise
+            return PutResult(digest, other.plain_size(held), "existing")
+
+    def _copy_into(
+        self, other: BlobStore, info: BlobInfo, size: int, progress: Progress | None
+    ) -> PutResult:
+        digest = info.digest
         source_path = self.backend.local_path(blob_key(digest, info.encoding))
         if source_path and info.encoding is other.encoding is Encoding.PLAIN:
             linked = other._put_linked(source_path, progress, expect=digest)
             if linked is not None:
                 return linked
         with self.open(digest) as reader:
-            return other.put_stream(reader, self.plain_size(info), expect=digest, progress=progress)
+            return other.put_stream(reader, size, expect=digest, progress=progress)
 
     def _write_temp(
         self, stream: BinaryIO, size: int | None, progress: Progress | None
@@ -329,19 +364,124 @@ class BlobStore:
     def _publish(
         self, temp: TempFile, digest: Digest, size: int, method: str, expect: Digest | None
     ) -> PutResult:
-        """Put a complete temp file in place under its digest, unless that blob exists."""
+        """Put a complete temp file in place under its digest, unless that blob is stored
+        with the right size (`size`, the plain size of the hashed temp file); a stored file of
+        the wrong size is moved to quarantine first, and the temp file published instead."""
         if expect is not None and digest != expect:
             self.backend.discard(temp)
             raise IntegrityError(
                 f"bytes for {expect} hash to {digest}", "the source is corrupt; nothing was stored"
             )
-        if self.touch(digest):
+        try:
+            intact, repaired = self._check_stored(digest, size)
+        except BaseException:
+            self.backend.discard(temp)
+            raise
+        if intact:
             self.backend.discard(temp)
             return PutResult(digest, size, "existing")
+        # no clobber: a file at the key now is another writer's, published since the check
         published = self.backend.commit(temp, blob_key(digest, self.encoding))
         if not published:
             self.touch(digest)
+        if repaired:
+            return PutResult(digest, size, "repaired")
         return PutResult(digest, size, method if published else "existing")
+
+    def _check_stored(self, digest: Digest, size: int) -> tuple[bool, bool]:
+        """Touch the stored blob and check the plain size it claims: whether a copy of the
+        right size is stored, and whether one of the wrong size was moved to quarantine."""
+        repaired = False
+        for encoding in self._encodings():
+            if not self.backend.touch(blob_key(digest, encoding)):
+                continue
+            state = self._check_size(digest, encoding, size)
+            if state == "intact":
+                return True, repaired
+            repaired = repaired or state == "quarantined"
+        return False, repaired
+
+    def _stored_size_matches(self, digest: Digest, size: int) -> bool | None:
+        """Touch the stored blob; whether a copy claims `size` plain bytes (None: no copy is
+        stored). Nothing is moved: a copy into this store takes the size from another store's
+        blob (which may be the damaged one), so it writes first, and its publish repairs with
+        the size of the bytes it hashed."""
+        found = None
+        for encoding in self._encodings():
+            key = blob_key(digest, encoding)
+            if self.backend.touch(key):
+                try:
+                    if self._claimed_size(key, encoding) == size:
+                        return True
+                except NotFoundError:
+                    continue
+                found = False
+        return found
+
+    def _check_size(
+        self, digest: Digest, encoding: Encoding, size: int
+    ) -> Literal["intact", "quarantined", "absent"]:
+        """Check one stored copy's claimed plain size; quarantine it if wrong.
+
+        A wrong size is read again past this host's caches before anything moves, and what
+        was moved is checked once more: if another writer repaired the blob between our
+        check and our move, the right-size file we took is put back (no clobber) rather than
+        left in quarantine."""
+        key = blob_key(digest, encoding)
+        try:
+            if self._claimed_size(key, encoding) == size:
+                return "intact"
+            if self._claimed_size(key, encoding, uncached=True) == size:
+                return "intact"
+            moved = self._quarantine(BlobInfo(digest, encoding, 0))
+        except FlareError as exc:
+            if _gone(exc):
+                return "absent"  # quarantined or collected meanwhile: nothing here to check
+            raise
+        try:
+            taken_by_mistake = self._claimed_size(moved, encoding, uncached=True) == size
+        except FlareError as exc:
+            if not _gone(exc):
+                raise
+            taken_by_mistake = False
+        if not taken_by_mistake:
+            return "quarantined"
+        if self.backend.move_no_clobber(moved, key):
+            return "intact"
+        return "absent"  # the key is another writer's again; ours commits no-clobber
+
+    def _claimed_size(self, key: str, encoding: Encoding, uncached: bool = False) -> int | None:
+        """The plain size the file at key claims, through a fresh open: its size, or the size
+        its zstd frame header records; None for one that holds no blob (not a regular file,
+        not a zstd frame with a recorded size). Raises NotFoundError when it is gone."""
+        local = self.backend.local_path(key)
+        if local is not None:
+            try:
+                if not S_ISREG(os.stat(local).st_mode):
+                    return None
+            except FileNotFoundError as exc:
+                raise NotFoundError(f"{local} is gone", "") from exc
+            except OSError as exc:
+                raise from_os_error(exc, "read", local) from exc
+        opener = self.backend.open_uncached if uncached else self.backend.open_read
+        try:
+            with opener(key) as raw:
+                if encoding is Encoding.PLAIN:
+                    return raw.seek(0, io.SEEK_END)
+                try:
+                    return zstd_plain_size(raw, f"{self.location}/{key}")
+                except IntegrityError:
+                    return None
+        except FlareError as exc:
+            if _gone(exc) and not isinstance(exc, NotFoundError):
+                raise NotFoundError(exc.what, "") from exc
+            raise
+        except OSError as exc:
+            raise from_os_error(exc, "read", f"{self.location}/{key}") from exc
+
+    def _encodings(self) -> tuple[Encoding, ...]:
+        """The configured encoding first, then the other."""
+        return (self.encoding, *(e for e in Encoding if e is not self.encoding))
 
     def touch(self, digest: Digest) -> bool:
         """Mark a stored blob as just used, so gc's grace period protects it; False if absent.
@@ -574,3 +714,9 @@ class BlobStore:
 
 def _total(files: Iterable[StoredFile]) -> int:
     return sum(f.size for f in files)
+
+
+def _gone(exc: FlareError) -> bool:
+    """Whether a backend's error says the file is not there (fsspec's FileNotFoundError
+    carries no errno, so it is not always a NotFoundError)."""
+    return isinstance(exc, NotFoundError) or isinstance(exc.__cause__, FileNotFoundError)
