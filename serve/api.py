@@ -22,7 +22,7 @@ import math
 import secrets
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,8 +243,9 @@ NOT_JSON = "the request body is not valid JSON"
 
 
 def _sent_as_json(request: Request) -> bool:
-    """Whether the body came as JSON (FastAPI parses one with no Content-Type as JSON too)."""
-    given = request.headers.get("content-type", "application/json")
+    """Whether the body came as JSON. One without a Content-Type is not parsed as JSON by
+    FastAPI (0.13x on): it is told to say it is JSON, not that it is not an object."""
+    given = request.headers.get("content-type", "")
     kind = given.split(";")[0].strip().lower()
     maintype, _, subtype = kind.partition("/")
     return maintype == "application" and (subtype == "json" or subtype.endswith("+json"))
@@ -323,22 +324,22 @@ class _Routes:
             code="model_not_found",
         )
 
-    async def completions(self, body: CompletionRequest) -> Any:
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self._check_model(body.model, "generate")
         ids = await asyncio.to_thread(self.prompts.completion_ids, body.prompt_value())
         params = self._params(body, ids, body.max_tokens or DEFAULT_COMPLETION_TOKENS, "prompt")
         params.logprobs = body.logprobs
         reply = _Reply("text_completion", self.package.name, self.runtime, len(ids))
-        return await self._answer(body, reply, self._submit(ids, params))
+        return await self._answer(body, reply, self._submit(ids, params), request)
 
-    async def chat(self, body: ChatRequest) -> Any:
+    async def chat(self, body: ChatRequest, request: Request) -> Any:
         self._check_model(body.model, "generate")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         ids = await asyncio.to_thread(self.prompts.chat_ids, messages)
         params = self._params(body, ids, body.limit(), "messages")
         params.logprobs = (body.top_logprobs or 0) if body.logprobs else None
         reply = _Reply("chat.completion", self.package.name, self.runtime, len(ids))
-        return await self._answer(body, reply, self._submit(ids, params))
+        return await self._answer(body, reply, self._submit(ids, params), request)
 
     async def embeddings(self, body: EmbeddingRequest) -> dict[str, Any]:
         self._check_model(body.model, "embed")
@@ -401,13 +402,17 @@ class _Routes:
         except EngineStopping as exc:
             raise refusal(self.runtime.failure) from exc
 
-    async def _answer(self, body: Sampling, reply: _Reply, handle: RequestHandle) -> Any:
+    async def _answer(
+        self, body: Sampling, reply: _Reply, handle: RequestHandle, request: Request
+    ) -> Any:
+        """The reply: streamed (a client that leaves cancels the stream, and so its request),
+        or whole, once generated; a client that leaves first cancels it too (499)."""
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(reply.stream(handle, usage), media_type="text/event-stream")
         try:
-            async for delta in handle.stream():
-                reply.add(delta)
+            if not await _unless_gone(_gather(reply, handle), request):
+                return Response(status_code=CLIENT_GONE)
         except RequestFailed as exc:
             raise _failed(exc) from exc
         finally:
@@ -543,19 +548,52 @@ class _Reply:
         """Chat-style entries: each chosen token, its logprob and the top alternatives."""
         if delta.logprobs is None:
             return []
-        decode = self.runtime.token_text
+        decode, raw = self.runtime.token_text, self.runtime.token_bytes
         return [
             {
                 "token": decode(item.token_id),
                 "logprob": item.logprob,
-                "bytes": list(decode(item.token_id).encode()),
+                "bytes": list(raw(item.token_id)),
                 "top_logprobs": [
-                    {"token": decode(t), "logprob": lp, "bytes": list(decode(t).encode())}
-                    for t, lp in item.top
+                    {"token": decode(t), "logprob": lp, "bytes": list(raw(t))} for t, lp in item.top
                 ],
             }
             for item in delta.logprobs
         ]
+
+
+CLIENT_GONE = 499
+"""The status logged for a request whose client left before its answer (nginx's)."""
+
+
+async def _gather(reply: _Reply, handle: RequestHandle) -> None:
+    """A request's deltas into its whole reply."""
+    async for delta in handle.stream():
+        reply.add(delta)
+
+
+async def _unless_gone(work: Coroutine[Any, Any, None], request: Request) -> bool:
+    """Run `work` unless the client leaves first (then it is cancelled): whether it ran to
+    its end. Generating for nobody would hold KV pages and a batch slot to max_tokens."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        return False
+    task.result()  # its failure, raised here
+    return True
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the client has closed its connection (its body is read by then, so the
+    next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _legacy_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:

@@ -55,8 +55,12 @@ from flare.serve.thread_names import (
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0
-WATCH_EVERY_S = 2.0
+WATCH_EVERY_S = 1.0
 """How often the watchdog asks the engine process how long its engine has been stuck."""
+FIGURES_WAIT_S = 2.0
+"""How long a scrape waits for the engine's figures (a live engine answers in
+milliseconds); one does not wait at all on an engine process that has been silent for two of
+the watchdog's questions."""
 
 
 def start_engine(
@@ -126,8 +130,8 @@ class EngineClient(Runtime):
         self.stall_timeout = stall_timeout
         self.stalled_seconds = 0.0
         """The engine's time stuck, as the watchdog last saw it (0 when it steps)."""
-        self._silent = False
-        """Whether the engine process left the watchdog's last question unanswered."""
+        self._heard_at = time.monotonic()
+        """When the engine process last sent anything: the watchdog asks it every second."""
         self._closed = threading.Event()
         sys.setswitchinterval(GIL_SWITCH_SECONDS)
         self._reader = threading.Thread(target=self._read, name=READER_THREAD, daemon=True)
@@ -157,10 +161,10 @@ class EngineClient(Runtime):
         return self._figures("kv_stats")
 
     def _figures(self, name: str) -> dict[str, Any]:
-        if self._silent:
+        if time.monotonic() - self._heard_at > 2 * WATCH_EVERY_S:
             return {}
         try:
-            return self._call(name)
+            return self._call(name, FIGURES_WAIT_S)
         except TimeoutError:
             return {}
 
@@ -183,19 +187,20 @@ class EngineClient(Runtime):
     def _call(self, name: str, timeout: float = CALL_TIMEOUT_S) -> Any:
         """A runtime method's value from the engine process ({} once the engine is lost);
         TimeoutError if it gives none in `timeout` seconds."""
+        return self._ask(name).result(timeout)
+
+    def _ask(self, name: str) -> Future[Any]:
+        """Ask the engine process for a runtime method's value: its future, settled by the
+        reader when the answer comes (with {} once the engine is lost)."""
         cid = next(self._ids)
         future: Future[Any] = Future()
         with self._lock:
             if self.failure is not None:
-                return {}
+                future.set_result({})
+                return future
             self._calls[cid] = future
         self._send(("call", cid, name))
-        try:
-            return future.result(timeout)
-        except TimeoutError:
-            with self._lock:
-                self._calls.pop(cid, None)
-            raise
+        return future
 
     def _send(self, message: Event) -> None:
         """To the engine process, by the writer thread: the caller never waits on the pipe."""
@@ -211,27 +216,27 @@ class EngineClient(Runtime):
                 self._conn.send(message)
 
     def _watch(self) -> None:
-        """The watchdog thread: every few seconds, how long the engine has had work and
-        finished no step; past the stall timeout, or with no answer in that time, the
-        runtime is stalled (/health says so) until the engine steps again."""
+        """The watchdog thread: every second, how long the engine has had work and finished
+        no step (one question in flight at a time); past the stall timeout, or with nothing
+        heard from the engine process in that time, the runtime is stalled (/health says so)
+        until the engine steps again."""
         name_os_thread(WATCHDOG_THREAD)
-        answered = time.monotonic()
+        asked: Future[Any] | None = None
+        stuck = 0.0
         while not self._closed.wait(min(WATCH_EVERY_S, self.stall_timeout / 4)):
-            try:
-                stuck = self._call("stalled_for", self.stall_timeout)
-            except TimeoutError:
-                if self._closed.is_set():  # stopping: the engine answers no more calls
+            if asked is None or asked.done():
+                stuck = asked.result() if asked is not None else stuck
+                if self.failure is not None:
                     return
-                silent = time.monotonic() - answered
-                self._silent = True
+                asked = self._ask("stalled_for")
+            silent = time.monotonic() - self._heard_at
+            if silent >= self.stall_timeout:
                 self._set_stall(f"the engine process has not answered for {silent:.0f} s", silent)
-                continue
-            if self.failure is not None:
-                return
-            answered = time.monotonic()
-            self._silent = False
-            cause = f"the engine has finished no step for {stuck:.0f} s with requests waiting"
-            self._set_stall(cause if stuck >= self.stall_timeout else None, stuck)
+            elif stuck >= self.stall_timeout:
+                cause = f"the engine has finished no step for {stuck:.0f} s with requests waiting"
+                self._set_stall(cause, stuck)
+            else:
+                self._set_stall(None, 0.0)
 
     def _set_stall(self, cause: str | None, seconds: float) -> None:
         """Record the watchdog's finding; log when the engine stalls and when it goes on."""
@@ -240,7 +245,7 @@ class EngineClient(Runtime):
         elif cause is None and self.stall is not None:
             log.warning("the engine goes on after a stall (%s)", self.stall)
         self.stall = cause
-        self.stalled_seconds = seconds if cause is not None else 0.0
+        self.stalled_seconds = seconds
 
     def _read(self) -> None:
         """The reader thread: the engine process's events, to their handles and calls, until
@@ -249,6 +254,7 @@ class EngineClient(Runtime):
         try:
             while True:
                 message = self._conn.recv()
+                self._heard_at = time.monotonic()
                 if message[0] == "stopped":
                     return
                 self._dispatch(message[1])
@@ -262,9 +268,7 @@ class EngineClient(Runtime):
         with self._lock:
             for kind, key, value in events:
                 if kind == "reply":
-                    future = self._calls.pop(key, None)
-                    if future is not None:  # else asked by a watchdog that gave up waiting
-                        _settle(future, value)
+                    _settle(self._calls.pop(key), value)
                     continue
                 item = Delta(*value) if isinstance(value, tuple) else value
                 handle = self._handles.get(key)

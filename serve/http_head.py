@@ -32,8 +32,8 @@ LINGER_MAX_BYTES = 1024 * 1024
 """The most a refused connection reads and drops before it is closed."""
 HEAD_MAX_BYTES = 64 * 1024
 """64 KiB for the request line and every header together: four times what Node and uvicorn's
-h11 take by default, room for long cookies and tokens; the bytes of a read that carried the
-head's end do not count."""
+h11 take by default, room for long cookies and tokens. Counted up to the head's end (its blank
+line) in the read that carries it, before the parser sees that read."""
 
 
 def limited_head(timeout_s: float) -> type[LimitedHead]:
@@ -73,14 +73,16 @@ class LimitedHead(HttpToolsProtocol):
                 self.transport.close()
             return
         if self.head_open:
-            self.head_bytes += len(data)
+            end = data.find(b"\r\n\r\n")  # a read may carry the head's end, and a body
+            self.head_bytes += len(data) if end < 0 else end + 4
+            if self.head_bytes > HEAD_MAX_BYTES:  # refused before the parser gathers it
+                message = (
+                    f"the request's line and headers are over {HEAD_MAX_BYTES // 1024} KiB; "
+                    "send smaller headers"
+                )
+                self._refuse(ApiError(431, message, code="headers_too_large"))
+                return
         super().data_received(data)
-        if self.head_open and self.head_bytes > HEAD_MAX_BYTES:
-            message = (
-                f"the request's line and headers are over {HEAD_MAX_BYTES // 1024} KiB; "
-                "send smaller headers"
-            )
-            self._refuse(ApiError(431, message, code="headers_too_large"))
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ from flare.serve.models import WeightsLoading, linear, model_kind, start_model
 from flare.serve.models.files import PackageFiles, Quarantine
 from flare.serve.package_text import PackageText, read_text_beside
 from flare.serve.rank_group import LeaderRunner, RankGroup
+from flare.serve.token_bytes import TokenBytes
 from flare.serve.truncation import Truncation
 from flare.store.package import Manifest
 
@@ -256,6 +258,11 @@ class Runtime:
     def token_text(self, token_id: int) -> str:
         """One token's own text (special tokens included), for logprob entries."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    @cached_property
+    def token_bytes(self) -> TokenBytes:
+        """One token's raw bytes, for chat logprob entries (serve/token_bytes.py)."""
+        return TokenBytes(self.tokenizer)
 
     def kv_stats(self) -> dict[str, int]:
         return {}

@@ -102,6 +102,20 @@ class Sampling(BaseModel):
     presence_penalty: Annotated[float | None, refused_unless(0)] = None
     logit_bias: Annotated[dict[str, float] | None, refused_unless({})] = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """A field that may be left out may also be null, as OpenAI's clients send a field
+        they leave unset (`"n": null`, `"stream": null`): its default, not a type error."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or (key in fields and fields[key].is_required())
+        }
+
     @model_validator(mode="after")
     def _stops(self) -> Sampling:
         stops = self.stop_list()

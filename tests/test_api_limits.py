@@ -223,6 +223,28 @@ def test_a_head_over_64_kib_gets_431_while_health_answers(default: Server) -> No
     assert httpx.get(f"{default.root}/health", headers=under).status_code == 200
 
 
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET /health HTTP/1.1\r\nHost: flare\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n",
+        b"GET /v1/models/" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: flare\r\n\r\n",
+    ],
+    ids=["header", "url"],
+)
+def test_a_head_over_64_kib_sent_in_one_write_gets_431_too(default: Server, head: bytes) -> None:
+    """The server may read a whole head at once, the blank line that ends it included."""
+    host, port = default.root.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), 10) as sock:
+        sock.sendall(head)
+        reply = read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
+    error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "headers_too_large" and "over 64 KiB" in error["message"]
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    under = {f"x-h{i}": "v" * 1000 for i in range(60)}  # 60 KB of headers and a body: served
+    assert httpx.post(f"{default.url}/completions", json=body, headers=under).status_code == 200
+
+
 def test_a_head_that_trickles_or_never_comes_gets_408(raised: Server) -> None:
     """The head must arrive within the server's time limit (1 s here, serve.body_timeout)
     from its first byte, or from the connection for a client that sends nothing."""
@@ -272,6 +294,40 @@ def test_a_body_sent_badly_gets_a_short_clear_error(
     reply = httpx.post(f"{default.url}/completions", content=body, headers=sent, timeout=60)
     assert_error(reply, status, words)
     assert len(reply.content) < 2500  # what the client sent is not echoed back whole
+
+
+def test_a_json_body_without_a_content_type_is_told_to_say_it_is_json(default: Server) -> None:
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+    reply = httpx.post(f"{default.url}/completions", content=body, timeout=60)
+    assert "content-type" not in reply.request.headers
+    assert_error(reply, 415, "Content-Type: application/json")
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("completions", {"prompt": "hi", "n": None, "stream": None, "echo": None}),
+        ("completions", {"prompt": "hi", "ignore_eos": None, "logprobs": None, "stop": None}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": None}),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "stream": None, "logprobs": None},
+        ),
+    ],
+)
+def test_null_for_a_field_that_may_be_left_out_means_its_default(
+    default: Server, route: str, body: dict[str, object]
+) -> None:
+    """OpenAI's clients send the fields they leave unset as null."""
+    sent = {"model": "tiny", "max_tokens": 2} | body
+    reply = httpx.post(f"{default.url}/{route}", json=sent, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_null_for_a_field_that_must_be_given_is_refused(default: Server) -> None:
+    reply = httpx.post(f"{default.url}/completions", json={"model": "tiny", "prompt": None})
+    assert_error(reply, 400, "prompt")
 
 
 def test_health_answers_head_and_a_trailing_slash_is_not_a_route(default: Server) -> None:

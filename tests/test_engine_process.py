@@ -196,7 +196,11 @@ def test_a_frozen_engine_is_reported_stalled_then_ok_and_its_streams_end_whole(
             assert stalled.status_code == 503
             assert stalled.json()["error"].startswith("the engine process has not answered for")
             assert health_of(server.root).json()["status"] == "stalled"
+            scraped = time.monotonic()
             assert server.metric("flare_engine_stalled_seconds") >= 2
+            assert time.monotonic() - scraped < 1, "/metrics waited on a frozen engine"
+            time.sleep(1.5)  # the figures go on growing while it stays frozen
+            assert server.metric("flare_engine_stalled_seconds") >= 3.5
         finally:
             os.kill(engine, signal.SIGCONT)
         assert wait_health(server.root, "ok", within=30).status_code == 200

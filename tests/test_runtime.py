@@ -533,6 +533,30 @@ def test_text_streams_whole_characters(llama: GenerateRuntime) -> None:
     assert len(ids) > len(text.encode()) // 2  # the tiny BPE splits these characters
 
 
+def test_the_earliest_stop_string_cuts_whichever_is_listed_first() -> None:
+    """One token may bring several stop strings at once (a word-sized token, or held bytes
+    released with the next character): the text ends before the earliest, never holding one."""
+    from tokenizers import Tokenizer as Bpe
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Bpe(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet)
+    tokenizer.train_from_iterator(["the cat sat on the mat with the hat"] * 50, trainer)
+    ids = tokenizer.encode("on the mat").ids
+    assert tokenizer.decode([ids[1]]) == " the"  # one token brings both "t" and "e"
+    for stops in (["e", "t"], ["t", "e"], ["he", "t"], ["mat", "th"]):
+        stream, text = TextStream(tokenizer, stops), ""
+        for token in ids:
+            piece, hit = stream.push(token)
+            text += piece
+            if hit:
+                break
+        assert hit and text == "on ", (stops, text)
+
+
 def _streamed(tokenizer: Tokenizer, ids: list[int]) -> tuple[list[str], str]:
     """A request's tokens through a TextStream: the text of each push, and all of it."""
     stream = TextStream(tokenizer, [])

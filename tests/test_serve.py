@@ -21,7 +21,7 @@ import pytest
 from rich.filesize import decimal
 
 from flare import __version__ as FLARE_VERSION
-from flare.build.tiny import make_tiny_llama
+from flare.build.tiny import SPECIAL_TOKENS, make_tiny_llama
 from flare.registry.refs import read_manifest
 from flare.registry.registry import Registry
 from flare.serve.pull import weight_bytes
@@ -220,6 +220,26 @@ def test_seeded_sampling_repeats_and_logprobs_come_back(server: Server) -> None:
     assert all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in entries)
 
 
+def test_chat_logprob_bytes_join_into_the_characters_tokens_share(server: Server) -> None:
+    """`bytes` are each token's raw bytes: joined, they give the content's characters back,
+    also those whose bytes several tokens of the byte-level vocabulary share (each of which
+    decodes alone to U+FFFD)."""
+    shared = 0
+    for prompt in (f"p{i}" for i in range(12)):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}]}
+        body |= {"max_tokens": 30, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+        reply = httpx.post(f"{server.url}/chat/completions", json=body, timeout=60).json()
+        choice = reply["choices"][0]
+        entries = choice["logprobs"]["content"]
+        kept = [e for e in entries if e["token"] not in SPECIAL_TOKENS]
+        joined = b"".join(bytes(e["bytes"]) for e in kept)
+        assert joined.decode("utf-8", "replace") == choice["message"]["content"]
+        shared += sum(e["token"] == "\ufffd" and e["bytes"] != [239, 191, 189] for e in kept)
+        for entry in entries:
+            assert all(top["bytes"] == list(bytes(top["bytes"])) for top in entry["top_logprobs"])
+    assert shared > 0, "no token held part of a character: the check saw nothing"
+
+
 def test_a_greedy_tokens_logprob_is_its_texts_in_top_logprobs(server: Server) -> None:
     """The completions API keys alternatives by text; byte tokens that each decode to U+FFFD
     once overwrote one another there, the least likely last, so the chosen token's entry
@@ -345,6 +365,25 @@ def test_a_client_leaving_mid_stream_frees_its_cache_pages(server: Server) -> No
         time.sleep(0.1)
     assert server.metric("flare_kv_blocks_used") == 0
     assert server.metric("flare_requests_running") == 0
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_a_client_leaving_before_its_whole_answer_cancels_its_request(
+    server: Server, route: str
+) -> None:
+    """Not streamed: nobody reads the answer once its client has gone, so its request is
+    cancelled then, not generated to max_tokens with its KV pages and batch slot held."""
+    body = _body(route) | {"max_tokens": 400, "ignore_eos": True}
+    generated = server.metric("flare_generated_tokens_total")
+    for _ in range(3):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/{route}", json=body, timeout=0.5)
+    deadline = time.monotonic() + 20
+    while server.metric("flare_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.metric("flare_requests_running") == 0
+    assert server.metric("flare_kv_blocks_used") == 0
+    assert server.metric("flare_generated_tokens_total") - generated < 3 * 400
 
 
 def test_64_concurrent_streams_give_each_request_its_tokens_alone(home: Path) -> None:

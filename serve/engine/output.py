@@ -101,10 +101,9 @@ class TextStream:
         if not self.stop:  # nothing is ever held back
             return text, False
         self.pending += text
-        for stop in self.stop:
-            at = self.pending.find(stop)
-            if at >= 0:
-                return self._take(at), True
+        found = [at for stop in self.stop if (at := self.pending.find(stop)) >= 0]
+        if found:  # the earliest, whichever stop string it is: the text holds none of them
+            return self._take(min(found)), True
         return self._take(len(self.pending) - self._held_back()), False
 
     def flush(self) -> str:
