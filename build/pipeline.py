@@ -46,6 +46,7 @@ from flare.build.tune import TUNING_PATH, attention_shapes, tuning_inputs, tunin
 from flare.errors import IntegrityError, InvalidInputError
 from flare.faults import crash_point
 from flare.model_sizes import check_sizes
+from flare.registry import refs
 from flare.registry.leases import Lease, add_to_lease, hold_lease, outlast_caches
 from flare.registry.registry import Registry
 from flare.rendezvous import Rendezvous
@@ -546,7 +547,11 @@ class Build:
         self.events.phase_started("publish", len(index))
         result = self.store.put_bytes(index)
         crash_point("publish:index")
-        self.registry.publish(self.request.name, self.request.tag, result.digest, manifest)
+        name, tag = self.request.name, self.request.tag
+        old = self.registry.publish(name, tag, result.digest, manifest)
+        if old is not None:  # a rebuild moves its tag: say what keeps the package it left
+            store = self.registry.store
+            self.events.note(refs.tag_move(store, name, tag, old, result.digest).notice())
         crash_point("publish:ref")
         if self.sign is not None:
             self.sign(self.registry, result.digest, manifest)

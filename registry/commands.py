@@ -27,7 +27,7 @@ from flare.cli_common import (
 from flare.config import load_config, parse_duration
 from flare.errors import IntegrityError, InvalidInputError
 from flare.registry.database import UnusableIndexError, set_aside, sqlite_file
-from flare.registry.refs import BadRef, BadRefError
+from flare.registry.refs import BadRef, BadRefError, TagMove
 from flare.registry.registry import Registry, index_database
 from flare.sign import policy as trust
 from flare.sign.commands import warn_accepted
@@ -201,10 +201,24 @@ def registry_tag(
     registry: RegistryOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Point NAME:TAG at the package REF names."""
-    name, tag, digest = open_registry(registry).tag(ref, name_tag)
-    data = {"name": name, "tag": tag, "digest": str(digest)}
+    """Point NAME:TAG at the package REF names (moving it, if it named another, says so)."""
+    name, tag, digest, move = open_registry(registry).tag(ref, name_tag)
+    moved = [] if move is None else [move]
+    print_moves(moved)
+    data = {"name": name, "tag": tag, "digest": str(digest), "moved": move_fields(moved)}
     print_done(as_json, data, f"{name}:{tag} -> {digest}")
+
+
+def print_moves(moved: list[TagMove]) -> None:
+    """One line on stderr per tag moved off another package: a notice, not a refusal, since
+    the move may have left that package to gc."""
+    for move in moved:
+        err.print(move.notice(), markup=False)
+
+
+def move_fields(moved: list[TagMove]) -> list[dict[str, object]]:
+    """The moves as --json prints them (an empty list when no tag moved)."""
+    return [move.fields() for move in moved]
 
 
 @registry_app.command("untag")
@@ -394,7 +408,9 @@ def registry_copy(
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Copy a package (blobs, index, tags, pins) to another registry; resumable, verified."""
+    """Copy a package (blobs, index, tags, pins) to another registry; resumable, verified.
+
+    A tag of the destination that named another package is moved, and said so on stderr."""
     check_location(to, "name the registry to copy to")  # before the source is opened
     origin, dest = open_registry(source), open_registry(to, create=True)
     _, _, manifest = origin.manifest(ref)
@@ -402,8 +418,10 @@ def registry_copy(
         from flare.registry.copy import copy_package
 
         report = copy_package(origin, dest, ref, workers, advance)
+    print_moves(report.moved)
     if as_json:
-        print_json({**asdict(report), "digest": str(report.digest)})
+        fields = {**asdict(report), "digest": str(report.digest)}
+        print_json(fields | {"moved": move_fields(report.moved)})
         return
     how = ", ".join(f"{count} {method}" for method, count in sorted(report.methods.items()))
     out.print(

@@ -4,6 +4,7 @@ filesystem, verified always, resumable (blobs already there are kept), in parall
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flare.errors import IntegrityError
 from flare.faults import crash_point
@@ -16,6 +17,9 @@ from flare.store.blobs import PutResult
 from flare.store.digest import Digest
 from flare.store.hashing import Progress, parallel_map
 
+if TYPE_CHECKING:
+    from flare.store.package import Manifest
+
 
 @dataclass
 class CopyReport:
@@ -25,6 +29,8 @@ class CopyReport:
     methods: dict[str, int] = field(default_factory=dict)
     """How many blobs were copied, linked or already there."""
     bytes: int = 0
+    moved: list[refs.TagMove] = field(default_factory=list)
+    """The destination's tags the copy moved off another package."""
 
 
 def copy_package(
@@ -49,16 +55,31 @@ def copy_package(
         for bundle in source.signatures(digest):
             write_signature(dest.store, digest, bundle)
         if name is not None:
-            tags = [t for t, d in refs.tags_of(source.store, name).items() if d == digest]
-            report.tags = tags
-            for tag in tags or [None]:  # type: ignore[list-item]
-                dest.publish(name, tag, digest, manifest)
-            for pinned in refs.pins_of(source.store, name):
-                if pinned == digest:
-                    dest.pin(f"{name}@{digest.hex}")
+            _copy_refs(source, dest, name, manifest, report)
         outlast_caches(dest.cache_window_s)
         _check_copied(dest, digest, manifest.blobs())
     return report
+
+
+def _copy_refs(
+    source: Registry, dest: Registry, name: str, manifest: Manifest, report: CopyReport
+) -> None:
+    """Publish the package under NAME and each of NAME's tags that points at it in the source,
+    and pin it if the source does. A destination tag on another package is moved, as the copy
+    was asked to, and reported (with what still keeps the package it left, read once every
+    tag has moved): it may have been the tag that kept that package from gc."""
+    digest = report.digest
+    report.tags = [t for t, d in refs.tags_of(source.store, name).items() if d == digest]
+    moved_from: dict[str, Digest] = {}
+    for tag in report.tags or [None]:  # type: ignore[list-item]
+        old = dest.publish(name, tag, digest, manifest)
+        if old is not None:
+            moved_from[tag] = old
+    if digest in refs.pins_of(source.store, name):
+        dest.pin(f"{name}@{digest.hex}")
+    report.moved = [
+        refs.tag_move(dest.store, name, tag, old, digest) for tag, old in moved_from.items()
+    ]
 
 
 def _check_copied(dest: Registry, digest: Digest, blobs: list[Digest]) -> None:

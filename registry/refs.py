@@ -202,12 +202,20 @@ def _record_body(data: bytes) -> dict[str, str | None] | None:
     return body if ok and isinstance(body.get("created", ""), str) else None
 
 
-def tag_package(store: BlobStore, name: str, tag: str, digest: Digest) -> None:
-    """Point NAME:TAG at a package, recording the package under NAME first (if it is not)."""
+def tag_package(store: BlobStore, name: str, tag: str, digest: Digest) -> Digest | None:
+    """Point NAME:TAG at a package, recording the package under NAME first (if it is not).
+
+    Returns the package the tag pointed at before if that was another one (None for a new
+    tag, the same package, or a bad tag file, which is rewritten): moving a tag is allowed but
+    never silent, since the package it leaves may then be left for gc. Read just before the
+    write, not under a lock: a tag two writers move at once is told by each as moved from
+    what it read."""
     check_name(tag, "tag")
+    before = read_tag(store, name, tag, bad=[])
     if read_record(store, name, digest, bad=[]) is None:
         record_package(store, name, digest)
     store.backend.write_atomic(_tag_key(name, tag), f"{digest}\n".encode())
+    return before if before != digest else None
 
 
 def _tag_key(name: str, tag: str) -> str:
@@ -288,6 +296,56 @@ def pins_of(store: BlobStore, name: str, bad: list[BadRef] | None = None) -> lis
 def tags_at(store: BlobStore, name: str, digest: Digest) -> list[str]:
     """NAME's tags that point at the package."""
     return [tag for tag, target in tags_of(store, name).items() if target == digest]
+
+
+@dataclass(frozen=True)
+class TagMove:
+    """NAME:TAG moved from one package to another, and what of NAME still keeps the old one
+    (gc keeps a package while any tag or pin names it), so the user is told whether moving
+    the tag left it to gc."""
+
+    name: str
+    tag: str
+    old: Digest
+    new: Digest
+    pinned: bool
+    """NAME pins the old package."""
+    tags: tuple[str, ...]
+    """NAME's tags that still point at the old package."""
+
+    def notice(self) -> str:
+        """One line for stderr: what moved, and whether the old package is still kept."""
+        old = f"{self.name}@{self.old.short()}"
+        moved = f"moved {self.name}:{self.tag} from {self.old.short()} to {self.new.short()}"
+        kept = ["pinned"] if self.pinned else []
+        if self.tags:
+            kept.append("tagged " + ", ".join(f"{self.name}:{tag}" for tag in self.tags))
+        if kept:
+            return f"{moved}; the old package {old} is still {' and '.join(kept)}"
+        return (
+            f"{moved}; the old package {old} keeps no tag or pin of {self.name} now, so gc may "
+            f"collect it unless another name tags or pins it (flare registry pin {old} keeps it)"
+        )
+
+    def fields(self) -> dict[str, object]:
+        """The move as JSON fields (for --json)."""
+        return {
+            "name": self.name,
+            "tag": self.tag,
+            "from": str(self.old),
+            "to": str(self.new),
+            "old_pinned": self.pinned,
+            "old_tags": list(self.tags),
+        }
+
+
+def tag_move(store: BlobStore, name: str, tag: str, old: Digest, new: Digest) -> TagMove:
+    """What a move of NAME:TAG off `old` left keeping it, read from the ref files now (after
+    every tag of the command moved: a copy moves several). A bad ref file of NAME is passed
+    over here: the move is done, and verify names the file."""
+    pinned = old in pins_of(store, name, bad=[])
+    tags = sorted(t for t, target in tags_of(store, name, bad=[]).items() if target == old)
+    return TagMove(name, tag, old, new, pinned, tuple(tags))
 
 
 def forget_package(store: BlobStore, name: str, digest: Digest, tags: list[str]) -> None:

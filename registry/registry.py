@@ -151,14 +151,19 @@ class Registry:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def publish(self, name: str, tag: str | None, digest: Digest, manifest: Manifest) -> None:
+    def publish(
+        self, name: str, tag: str | None, digest: Digest, manifest: Manifest
+    ) -> Digest | None:
         """Record a stored package under NAME (and NAME:TAG): store first, then the index.
 
         The publisher recorded is the one its stored signatures name (none yet: unsigned).
+        Returns the package NAME:TAG pointed at before if it was another one, else None: the
+        caller tells the user the tag moved (refs.tag_move says what still keeps the old one).
         """
         record = refs.record_package(self.store, name, digest, self.publisher(digest))
+        moved_from = None
         if tag is not None:
-            refs.tag_package(self.store, name, tag, digest)
+            moved_from = refs.tag_package(self.store, name, tag, digest)
         journal.record_change(self.store, name, digest)
         index_size = self.store.require(digest).stored_size
         if self.store.backend.stat(marks.marks_key(digest)) is None:
@@ -167,6 +172,7 @@ class Registry:
         if tag is not None:
             row = {"name": name, "tag": tag, "digest": str(digest)}
             self.db.write(lambda c: _put(c, tags, row))
+        return moved_from
 
     def _index_package(
         self,
@@ -233,15 +239,16 @@ class Registry:
         """The publisher(s) the package's signatures name, comma-separated; None if unsigned."""
         return signatures.claimed_publisher(self.signatures(digest))
 
-    def tag(self, ref: str, name_tag: str) -> tuple[str, str, Digest]:
-        """Point NAME:TAG at the package REF names."""
+    def tag(self, ref: str, name_tag: str) -> tuple[str, str, Digest, refs.TagMove | None]:
+        """Point NAME:TAG at the package REF names; the move, if the tag named another one."""
         _, digest = self.resolve(ref)
         parsed = refs.parse_ref(name_tag)
         if parsed.name is None or parsed.digest is not None:
             raise InvalidInputError(f"bad tag {name_tag!r}", "use NAME:TAG")
         tag = parsed.tag or refs.DEFAULT_TAG
-        self.publish(parsed.name, tag, digest, refs.read_manifest(self.store, digest))
-        return parsed.name, tag, digest
+        old = self.publish(parsed.name, tag, digest, refs.read_manifest(self.store, digest))
+        move = None if old is None else refs.tag_move(self.store, parsed.name, tag, old, digest)
+        return parsed.name, tag, digest, move
 
     def untag(self, name_tag: str) -> tuple[str, str, Digest]:
         """Remove NAME:TAG only: the package stays under its name (and its other tags); once

@@ -128,7 +128,10 @@ def key_ls(as_json: JsonOption = False, _no_trunc: NoTruncOption = False) -> Non
 def _key_row(path: Path, default: bool) -> dict[str, Any]:
     from flare.sign import keys
 
-    key = keys.load_private_key(path)
+    key = keys.load_private_key(path, signing=False)
+    problem = keys.open_mode_problem(path, path.stat().st_mode)
+    if problem is not None:  # listed, since it is there; no command signs with it
+        err.print(f"warning: {problem}; nothing signs with it until chmod 600 {path}", markup=False)
     return {
         "path": str(path),
         "type": keys.key_type_of(key).value,

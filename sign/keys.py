@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import stat
 from enum import StrEnum
 from pathlib import Path
 
@@ -18,7 +19,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
 from flare.atomic import fsync_dir, temp_name
-from flare.errors import FlareError, InvalidInputError, NotFoundError, from_os_error
+from flare.errors import (
+    FlareError,
+    InvalidInputError,
+    NotFoundError,
+    PermissionDeniedError,
+    from_os_error,
+)
 from flare.store.backends.local import publish_no_clobber
 
 PrivateKey = ed25519.Ed25519PrivateKey | ec.EllipticCurvePrivateKey
@@ -114,11 +121,15 @@ def write_private_key(key: PrivateKey, path: Path) -> None:
         partial.unlink(missing_ok=True)
 
 
-def load_private_key(path: Path) -> PrivateKey:
+def load_private_key(path: Path, signing: bool = True) -> PrivateKey:
     """A signing key from a PEM file, refused clearly if it is missing, not a private key PEM,
-    or of a type flare does not sign with."""
+    of a type flare does not sign with, or open to other users (as ssh refuses one): a key
+    others could read may already be theirs to sign with, and one they could write, theirs
+    to swap. `signing=False` (listing the keys) reads one open to others all the same."""
     try:
-        data = path.read_bytes()
+        with path.open("rb") as handle:
+            mode = os.fstat(handle.fileno()).st_mode  # the mode of the file read, not a later one
+            data = handle.read()
     except FileNotFoundError:
         raise NotFoundError(
             f"no signing key at {path}", "run flare key generate --publisher NAME"
@@ -134,7 +145,38 @@ def load_private_key(path: Path) -> PrivateKey:
             f"{path} is not a PEM private key", "pass the private key flare key generate wrote"
         ) from exc
     key_type_of(key)  # type: ignore[arg-type]
+    if signing:  # after the parse: a file that is no key is refused as such
+        _refuse_open_mode(path, mode)
     return key  # type: ignore[return-value]
+
+
+def _refuse_open_mode(path: Path, mode: int) -> None:
+    """Refuse a private key file its group or others may read, write or run (mode & 0o077),
+    as ssh does: write_private_key makes it 0600, so any other mode was set since."""
+    problem = open_mode_problem(path, mode)
+    if problem is not None:
+        raise PermissionDeniedError(problem, f"chmod 600 {path}")
+
+
+def open_mode_problem(path: Path, mode: int) -> str | None:
+    """What is wrong with a private key file's mode, if its group or others have any right."""
+    if not stat.S_IMODE(mode) & 0o077:
+        return None
+    return f"the signing key {path} is {_open_to(mode)} (mode {stat.S_IMODE(mode):04o})"
+
+
+def _open_to(mode: int) -> str:
+    """Who may do what to the file besides its owner: `readable by its group and others`."""
+    parts = []
+    for verb, group_bit, other_bit in (
+        ("readable", stat.S_IRGRP, stat.S_IROTH),
+        ("writable", stat.S_IWGRP, stat.S_IWOTH),
+        ("executable", stat.S_IXGRP, stat.S_IXOTH),
+    ):
+        who = [w for w, bit in (("its group", group_bit), ("others", other_bit)) if mode & bit]
+        if who:
+            parts.append(f"{verb} by {' and '.join(who)}")
+    return ", ".join(parts)
 
 
 def load_public_key(pem: str | bytes, where: str) -> PublicKey:
