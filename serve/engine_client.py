@@ -54,7 +54,6 @@ from flare.serve.thread_names import (
 
 log = logging.getLogger(__name__)
 
-CALL_TIMEOUT_S = 30.0
 WATCH_EVERY_S = 1.0
 """How often the watchdog asks the engine process how long its engine has been stuck."""
 FIGURES_WAIT_S = 2.0
@@ -164,7 +163,7 @@ class EngineClient(Runtime):
         if time.monotonic() - self._heard_at > 2 * WATCH_EVERY_S:
             return {}
         try:
-            return self._call(name, FIGURES_WAIT_S)
+            return self._ask(name).result(FIGURES_WAIT_S)
         except TimeoutError:
             return {}
 
@@ -183,11 +182,6 @@ class EngineClient(Runtime):
             self._process.kill()
             self._process.join()
         self._conn.close()
-
-    def _call(self, name: str, timeout: float = CALL_TIMEOUT_S) -> Any:
-        """A runtime method's value from the engine process ({} once the engine is lost);
-        TimeoutError if it gives none in `timeout` seconds."""
-        return self._ask(name).result(timeout)
 
     def _ask(self, name: str) -> Future[Any]:
         """Ask the engine process for a runtime method's value: its future, settled by the
