@@ -51,22 +51,22 @@ def payload_pieces(
     payload: PlannedPayload, root: Path, states: Mapping[str, FileState]
 ) -> Iterator[list[Piece]]:
     """The payload as pieces: its header, then each tensor's runs of its (open) source file
-    under `root`. Each source must still be the file resolve hashed (`states`), before the
-    bytes are read and after: else the manifest's source digests would lie."""
-    sources = [piece.source for tensor in payload.tensors for piece in tensor.pieces]
-    paths = {source.file: root / source.file for source in sources}
-    _check_unchanged(paths, states)
+    under `root`. Each opened source must be the file resolve hashed (`states`: the same
+    inode, size and times), when opened and once read: else the manifest's source digests
+    would lie, or a file swapped in since (a link out of the checkpoint) would be stored."""
     with ExitStack() as stack:
         fds: dict[str, int] = {}
         pieces: list[Piece] = [encode_header([t.spec for t in payload.tensors], {})]
         for piece in (piece for tensor in payload.tensors for piece in tensor.pieces):
             name = piece.source.file
             if name not in fds:
-                fds[name] = _open(paths[name])
+                fds[name] = _open(root / name)
                 stack.callback(os.close, fds[name])
+                _check_opened(root / name, fds[name], states[name])
             pieces.append(FileRuns(fds[name], *piece.regions()))
         yield pieces
-    _check_unchanged(paths, states)
+        for name, fd in fds.items():
+            _check_opened(root / name, fd, states[name])
 
 
 @contextmanager
@@ -168,9 +168,9 @@ class PayloadWriter:
         return payload_stream(payload, self.root, self.states)
 
 
-def _check_unchanged(paths: Mapping[str, Path], states: Mapping[str, FileState]) -> None:
-    for name, path in paths.items():
-        check_unchanged(path, states[name], FileState.of(path.stat()))
+def _check_opened(path: Path, fd: int, state: FileState) -> None:
+    """The open file at `path` is still the one hashed, in the state it was hashed in."""
+    check_unchanged(path, state, FileState.of(os.fstat(fd)))
 
 
 def _open(path: Path) -> int:

@@ -213,11 +213,15 @@ class Build:
             return result
 
     def _note_unnamed(self) -> None:
-        """Say which files are left out for names that are not UTF-8 (none the build needs)."""
+        """Say which files are left out for names a package cannot hold (none the build
+        needs)."""
         if self.source.unnamed:
             names = ", ".join(shown_name(n) for n in self.source.unnamed[:3])
             more = f" and {len(self.source.unnamed) - 3} more" if self.source.unnamed[3:] else ""
-            self.events.note(f"left out files whose names are not UTF-8: {names}{more}")
+            self.events.note(
+                f"left out files whose names a package cannot hold (not UTF-8, or with a "
+                f"backslash): {names}{more}"
+            )
 
     @contextmanager
     def _ranks(self) -> Iterator[None]:
@@ -313,12 +317,15 @@ class Build:
         total = sum(p.stat().st_size for p in paths)
         self.events.phase_started("resolve", total)
         cache = StatCache(request.staging / "stat")
+        crash_point("resolve:hash")
         digests = digest_files(paths, cache, request.rehash, request.workers, self.events.advance)
         files = {
             name: {"digest": str(d), "size": state.size}
             for name, (d, state) in zip(source.files, digests, strict=True)
         }
         states = {name: state for name, (_, state) in zip(source.files, digests, strict=True)}
+        for name, state in states.items():
+            source.identity(name, state)
         self.phases.finish("resolve", started, total, "done" if cache.hashed else "reused")
         return files, states
 
@@ -490,17 +497,18 @@ class Build:
     def _artifact(
         self, name: str, recorded: dict, states: dict[str, FileState], recipe: Recipe
     ) -> dict[str, Any]:
-        """Copy (never link: the source stays the user's) a runtime file; check its digest.
-        It must still be the file resolve hashed (a link retargeted since is not stored)."""
+        """Copy (never link: the source stays the user's) a runtime file, stored only if its
+        bytes are those resolve hashed: a file changed or swapped since is not stored."""
         path = self.source.root / name
         check_unchanged(path, states[name], FileState.of(path.stat()))
-        result = self.store.put_file(path, link=False)
-        self._keep(result.digest)
-        if str(result.digest) != recorded["digest"]:
+        try:
+            result = self.store.put_file(path, link=False, expect=Digest.parse(recorded["digest"]))
+        except IntegrityError as exc:
             raise IntegrityError(
-                f"{self.source.root / name} changed since it was hashed",
-                "run the build again once the checkpoint is no longer being written",
-            )
+                f"{path} changed since it was hashed ({exc.what}); nothing was stored",
+                "run the build again once nothing moves or writes the checkpoint",
+            ) from exc
+        self._keep(result.digest)
         return {
             "kind": recipe.artifact_kind(name),
             "path": name,

@@ -18,7 +18,7 @@ from typing import Any
 
 from flare.build.checkpoint import SHARD_INDEX, read_json_object, top_level_weights
 from flare.build.recipes.base import Recipe
-from flare.build.sources import Source, shown_name
+from flare.build.sources import Source, name_problem, shown_name
 from flare.errors import InvalidInputError, from_os_error
 
 MAX_POSITIONS = 2**31 - 1
@@ -41,16 +41,18 @@ def check_runtime_inputs(source: Source, config: Mapping[str, Any], recipe: Reci
 
 
 def check_file_names(source: Source, recipe: Recipe) -> None:
-    """A file the build would read (a weight file, or one the recipe ships) must have a
-    UTF-8 name, exit 4; others with such names are left out, like dot-files. Checked before
-    the weights are looked for, so a weight file is named, not reported missing."""
+    """A file the build would read (a weight file, or one the recipe ships) must have a name
+    a package can hold (UTF-8, no backslash), exit 4; others are left out, like dot-files.
+    Checked before the weights are looked for, so a weight file is named, not reported
+    missing."""
     weights = () if SHARD_INDEX in source.files else top_level_weights(source.unnamed)
     for name in source.unnamed:
         if name in weights or recipe.artifact_kind(name):
             raise InvalidInputError(
                 f"{shown_name(source.root / name)}: the build needs this file, but its name "
-                "is not UTF-8 (a package names its files in UTF-8)",
-                "rename it to a UTF-8 name",
+                f"{name_problem(name)} (a package names its files in UTF-8, with / alone "
+                "between folders)",
+                "rename it",
             )
 
 

@@ -4,16 +4,24 @@ A source is its folder's content and nothing else: a link that leads out of it i
 before any byte is read (it would publish whatever it points at, a key or /proc/self/environ,
 into a store others read), unless the user says they mean it. A hub-cache snapshot's links
 into its own repo folder (`snapshots/REV/file -> ../../blobs/HASH`) are inside it.
+
+What is checked when the folder is listed must be what the build reads: each file's identity
+(device and inode) is taken then, and every later read of the file checks that it opened that
+file (`Source.identity`). Else a folder renamed or swapped under the build (a twin whose file is
+a link out of it) would have the build read, store and sign a file the listing never saw.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from flare.errors import InvalidInputError, NotFoundError
+from flare.errors import IntegrityError, InvalidInputError, NotFoundError
+from flare.store.hashing import FileState
 
 _HUB_ID = re.compile(r"^(?P<org>[\w.-]+)/(?P<name>[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -33,9 +41,21 @@ class Source:
     """Every regular file under root (file links followed, linked folders not entered,
     dot-files skipped), relative, sorted."""
     unnamed: tuple[str, ...] = ()
-    """Files left out of `files` because their names are not UTF-8 (held here as
-    `os.fsdecode` gives them, with surrogate escapes): a package names its files in UTF-8
-    JSON, so one of them cannot ship. The build refuses a checkpoint that needs one."""
+    """Files left out of `files` because a package cannot name them (`name_problem`; held
+    here as `os.fsdecode` gives them, with surrogate escapes). The build refuses a
+    checkpoint that needs one."""
+    identities: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Each file's device and inode when the folder was listed (and its links checked)."""
+
+    def identity(self, name: str, state: FileState) -> None:
+        """Refuse a read of `name` that opened another file than the one listed (`state`:
+        the opened file's, from fstat): the folder or a link in it changed under the build."""
+        if (state.dev, state.ino) != self.identities[name]:
+            raise IntegrityError(
+                f"{self.root / name} is no longer the file listed when the build began: the "
+                "checkpoint folder, or a link in it, changed while the build read it",
+                "run the build again once nothing moves or writes the checkpoint",
+            )
 
 
 def resolve_source(spec: str, hub_cache: Path, allow_outside_links: bool = False) -> Source:
@@ -102,35 +122,49 @@ def _make(
     if not (root / "config.json").is_file():
         raise NotFoundError(f"{root} has no config.json", "pass a Hugging Face checkpoint folder")
     inside = None if allow_outside else container.resolve()
-    files, unnamed = _list_files(root, inside)
-    return Source(root, hub_id, revision, files, unnamed)
-
-
-def _list_files(root: Path, inside: Path | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Every regular file under root, and apart those whose names are not UTF-8; each link
-    must stay within `inside` (when given). Linked folders are not entered (a file is listed
-    once, where it really is)."""
-    found, unnamed = [], []
+    identities: dict[str, tuple[int, int]] = {}
+    unnamed = []
     for path in root.rglob("*"):
         rel = path.relative_to(root)
         if any(part.startswith(".") for part in rel.parts):
             continue
-        if path.is_symlink():
-            _check_link(path, inside)
-        if not path.is_file():
+        found = _file_identity(path, inside)
+        if found is None:
             continue
-        (found if is_utf8_name(rel.as_posix()) else unnamed).append(rel.as_posix())
-    return tuple(sorted(found)), tuple(sorted(unnamed))
+        if name_problem(rel.as_posix()) is None:
+            identities[rel.as_posix()] = found
+        else:
+            unnamed.append(rel.as_posix())
+    files = tuple(sorted(identities))
+    return Source(root, hub_id, revision, files, tuple(sorted(unnamed)), identities)
 
 
-def is_utf8_name(name: str) -> bool:
-    """Whether a file name, as `os.fsdecode` gives it, was UTF-8 on disk (a byte that is not
-    is decoded to a lone surrogate, which no UTF-8 text, hence no manifest, can hold)."""
+def _file_identity(path: Path, inside: Path | None) -> tuple[int, int] | None:
+    """The device and inode of the regular file at `path` (a link's, once its chain is
+    checked to stay within `inside`), None for anything else. A file is listed by one
+    lstat, so what is not a link when looked at cannot be read as one. Linked folders are
+    not entered (a file is listed once, where it really is)."""
+    try:
+        seen = os.lstat(path)
+        if stat.S_ISLNK(seen.st_mode):
+            _check_link(path, inside)
+            seen = os.stat(path)
+    except FileNotFoundError:  # gone since the folder was read
+        return None
+    if not stat.S_ISREG(seen.st_mode):
+        return None
+    return seen.st_dev, seen.st_ino
+
+
+def name_problem(name: str) -> str | None:
+    """Why a package cannot name a file, or None. Its manifest names files in UTF-8 JSON
+    (a name `os.fsdecode` gave a lone surrogate for a byte that is not UTF-8 cannot be
+    written), with `/` alone between folders (a backslash is one on other systems)."""
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
-        return False
-    return True
+        return "is not UTF-8"
+    return "holds a backslash" if "\\" in name else None
 
 
 def shown_name(name: str | Path) -> str:

@@ -213,16 +213,21 @@ class BlobStore:
         return self._publish(temp, Digest(hex_digest), pieces_size(pieces), "copy", None)
 
     def put_file(
-        self, path: Path, link: bool = True, progress: Progress | None = None
+        self,
+        path: Path,
+        link: bool = True,
+        progress: Progress | None = None,
+        expect: Digest | None = None,
     ) -> PutResult:
-        """Store a file: linked where the store and file share a filesystem, else copied."""
+        """Store a file: linked where the store and file share a filesystem, else copied.
+        With `expect`, bytes that hash to another digest are not stored (IntegrityError)."""
         path = Path(path)
         if not path.exists():
             raise NotFoundError(f"no such file: {path}", "check the path")
         if not path.is_file():
             raise InvalidInputError(f"not a regular file: {path}", "store files or folders")
         if link and self.encoding is Encoding.PLAIN:
-            linked = self._put_linked(path, progress)
+            linked = self._put_linked(path, progress, expect)
             if linked is not None:
                 return linked
         self._prepare_writes()
@@ -238,7 +243,7 @@ class BlobStore:
         except IntegrityError:
             self.backend.discard(temp)
             raise
-        return self._publish(temp, digest, total, "copy", None)
+        return self._publish(temp, digest, total, "copy", expect)
 
     def put_tree(
         self,

@@ -55,6 +55,32 @@ def test_a_weight_file_with_a_name_not_utf8_is_refused_naming_it(
     assert stored_files(tmp_path / "home" / "registry" / "blobs") == []
 
 
+def test_a_file_not_needed_with_a_backslash_in_its_name_is_left_out(
+    llama: Path, tmp_path: Path
+) -> None:
+    """A backslash is a folder separator on other systems: a package cannot name such a file.
+    It is left out with a note, before any work, not refused once everything was stored."""
+    plain = build(llama, tmp_path / "plain")[0]
+    source = copy(llama, tmp_path / "ckpt")
+    (source / "notes\\old.txt").write_text("notes")
+    result = flare(tmp_path / "home", "build", str(source), "--name", "tiny", "--json")
+    assert result.returncode == 0, result.stderr
+    assert "left out files whose names a package cannot hold" in result.stderr
+    assert json.loads(result.stdout)["digest"] == str(plain)
+
+
+def test_a_weight_file_with_a_backslash_in_its_name_is_refused_before_any_work(
+    llama: Path, tmp_path: Path
+) -> None:
+    source = copy(llama, tmp_path / "ckpt")
+    (source / "model.safetensors").rename(source / "mod\\el.safetensors")
+    result = flare(tmp_path / "home", "build", str(source), "--name", "tiny")
+    assert result.returncode == 4, result.stderr
+    line = one_line_error(result)
+    assert "the build needs this file, but its name holds a backslash" in line
+    assert stored_files(tmp_path / "home" / "registry" / "blobs") == []
+
+
 def test_a_source_folder_named_not_utf8_builds_and_checks(llama: Path, tmp_path: Path) -> None:
     source = copy(llama, named(tmp_path, b"lab\xff") / "ckpt")
     home = tmp_path / "home"
