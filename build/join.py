@@ -177,6 +177,8 @@ class Join:
             return
         self.source = source
         self.states = {n: s for n, (_, s) in zip(present, digests, strict=True)}
+        for name, state in self.states.items():
+            source.identity(name, state)
 
     def _refuse_or_note(self, mode: str, error: FlareError) -> None:
         if mode == "require":
