@@ -86,6 +86,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorResponse, "description": "the model is not the one served here"},
     408: {"model": ErrorResponse, "description": "the body did not arrive in time"},
     413: {"model": ErrorResponse, "description": "the body is over the size limit"},
+    415: {"model": ErrorResponse, "description": "the body was not sent as JSON"},
     500: {"model": ErrorResponse, "description": "the server failed this request"},
     503: {"model": ErrorResponse, "description": "the server is shutting down (Retry-After)"},
 }
@@ -221,10 +222,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
-        if not _sent_as_json(request):
+        param, message = _describe(exc)
+        if message != EMPTY_BODY and not _sent_as_json(request):
             message = "send the request body as JSON, with Content-Type: application/json"
             return ApiError(415, message, code="unsupported_media_type").response()
-        param, message = _describe(exc)
         return ApiError(400, message, param=param).response()
 
     @app.exception_handler(HTTPException)
@@ -240,6 +241,7 @@ UNPARSED_BODY = "There was an error parsing the body"
 """FastAPI's words for a body its JSON parser could not even read (bytes that are not UTF-8,
 a compressed body, numbers or nesting past Python's limits)."""
 NOT_JSON = "the request body is not valid JSON"
+EMPTY_BODY = "the request body is empty: send a JSON object"
 
 
 def _sent_as_json(request: Request) -> bool:
@@ -257,7 +259,7 @@ def _describe(exc: RequestValidationError) -> tuple[str | None, str]:
     if first.get("type") == "json_invalid":
         return None, NOT_JSON
     if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
-        return None, "the request body is empty: send a JSON object"
+        return None, EMPTY_BODY
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
     message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
     return where or None, message
@@ -391,7 +393,7 @@ class _Routes:
             top_k=_pick(body.top_k, defaults.get("top_k"), -1),
             seed=body.seed,
             stop=body.stop_list(),
-            ignore_eos=body.ignore_eos,
+            ignore_eos=bool(body.ignore_eos),
         )
 
     def _submit(self, ids: list[int], params: SamplingParams) -> RequestHandle:

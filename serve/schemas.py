@@ -93,11 +93,11 @@ class Sampling(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
     stop: Annotated[str | list[str] | None, Unicode] = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     """An extension (as in vLLM): generate max_tokens even past end-of-sequence, for loads."""
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int | None = Field(default=1, ge=1, le=1)
     frequency_penalty: Annotated[float | None, refused_unless(0)] = None
     presence_penalty: Annotated[float | None, refused_unless(0)] = None
     logit_bias: Annotated[dict[str, float] | None, refused_unless({})] = None
@@ -106,7 +106,8 @@ class Sampling(BaseModel):
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
         """A field that may be left out may also be null, as OpenAI's clients send a field
-        they leave unset (`"n": null`, `"stream": null`): its default, not a type error."""
+        they leave unset (`"n": null`, `"stream": null`): its default, not a type error (the
+        schema says `| None`; the value is never None)."""
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
@@ -132,7 +133,7 @@ class Sampling(BaseModel):
 class CompletionRequest(Sampling):
     prompt: Annotated[str | list[int] | list[str], Unicode]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: Literal[False] = False
+    echo: Literal[False] | None = False
     best_of: Annotated[int | None, refused_unless(1)] = None
     suffix: Annotated[str | None, refused_unless("")] = None
 
@@ -188,7 +189,7 @@ class ChatMessage(BaseModel):
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Annotated[list[dict[str, Any]] | None, refused_unless([])] = None
     tool_choice: Annotated[str | dict[str, Any] | None, refused_unless("none", "auto")] = None

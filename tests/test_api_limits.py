@@ -402,7 +402,7 @@ def test_openapi_json_is_served_valid_and_describes_the_model(default: Server) -
         "/v1/chat/completions",
     }  # a generating model: no embeddings in what it offers
     chat = document["paths"]["/v1/chat/completions"]["post"]
-    assert set(chat["responses"]) == {"200", "400", "401", "404", "408", "413", "500", "503"}
+    assert set(chat["responses"]) == {"200", "400", "401", "404", "408", "413", "415", "500", "503"}
     assert "text/event-stream" in chat["responses"]["200"]["content"]
     schemas = document["components"]["schemas"]
     assert schemas["ChatRequest"]["properties"]["model"]["enum"] == ["tiny"]
