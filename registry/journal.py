@@ -20,6 +20,7 @@ from flare.atomic import temp_name
 from flare.errors import InvalidInputError
 from flare.store.blobs import BlobStore
 from flare.store.digest import Digest
+from flare.store.names import check_name
 
 JOURNAL_DIR = "journal"
 SUFFIX = ".json"
@@ -51,12 +52,15 @@ def entries(store: BlobStore) -> list[str]:
 
 
 def read_change(store: BlobStore, entry: str) -> Change | None:
-    """The change an entry announces; None for one gone meanwhile, or not written by flare."""
+    """The change an entry announces; None for one gone meanwhile, or not written by flare
+    (a name no package can have, `../x` included: a host would read refs outside the
+    registry for it)."""
     data = store.backend.read(f"{JOURNAL_DIR}/{entry}")
     try:
         body = json.loads(data or b"")
         digest = body.get("digest")
-        return Change(str(body["name"]), None if digest is None else Digest(digest))
+        name = check_name(body["name"])
+        return Change(name, None if digest is None else Digest(digest))
     except (ValueError, TypeError, KeyError, AttributeError, InvalidInputError):
         return None
 

@@ -3,6 +3,7 @@ hosts read to bring their own index up to date (the sshfs tests are in test_netf
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -70,6 +71,10 @@ def test_journal_entries_are_new_files_read_back_in_any_order(tmp_path: Path) ->
     assert changes == {journal.Change("alpha", digest), journal.Change("alpha", None)}
     (Path(store.location) / journal.JOURNAL_DIR / "junk.json").write_text("{not json")
     assert journal.read_change(store, "junk.json") is None
+    for name in ("../../outside", "Alpha", 5, "a/b"):  # another user's hand: no such name
+        entry = Path(store.location) / journal.JOURNAL_DIR / "evil.json"
+        entry.write_text(json.dumps({"name": name, "digest": None}))
+        assert journal.read_change(store, "evil.json") is None, name
 
 
 def test_old_journal_entries_are_dropped(tmp_path: Path) -> None:
