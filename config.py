@@ -4,6 +4,7 @@ an environment variable. With no config at all, everything lives under one local
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -54,6 +55,18 @@ def _optional_path(text: str | Path) -> Path | None:
     return Path(text).expanduser().absolute() if str(text) else None
 
 
+def _key_path(text: str | Path) -> Path | None:
+    """signing.key: a path or empty; a folder is never a key file, so it is refused here, as a
+    bad value, rather than when a build first reads it."""
+    path = _optional_path(text)
+    if path is not None and path.is_dir():
+        raise InvalidInputError(
+            f"{path} is a folder, not a key file",
+            "point signing.key at the PEM file flare key generate wrote",
+        )
+    return path
+
+
 def _optional_duration(text: str) -> float | None:
     return parse_duration(text) if str(text).strip() else None
 
@@ -88,6 +101,11 @@ def parse_timeout(text: str | int | float) -> float:
     return seconds
 
 
+_STRING: tuple[type, ...] = (str,)
+_SIZE_TYPES: tuple[type, ...] = (int, str)
+_DURATION_TYPES: tuple[type, ...] = (int, float, str)
+
+
 @dataclass(frozen=True)
 class Setting:
     """One configurable value: its key in the file, its variable, how to read it."""
@@ -97,6 +115,9 @@ class Setting:
     parse: Callable[[Any], Any]
     default: Callable[[Path, Mapping[str, str]], Any]
     help: str
+    takes: tuple[type, ...] = _STRING
+    """The TOML types the file may give it (the environment gives strings): any other is
+    refused before `parse` sees it, so a boolean or an array never becomes a path."""
 
 
 def _hub_cache_default(_home: Path, env: Mapping[str, str]) -> str:
@@ -163,6 +184,7 @@ SETTINGS: tuple[Setting, ...] = (
         _optional_duration,
         lambda _h, _e: "",
         "how stale a network filesystem's listings may be; empty: by its type",
+        _DURATION_TYPES,
     ),
     Setting(
         "memory.reserve",
@@ -170,6 +192,7 @@ SETTINGS: tuple[Setting, ...] = (
         parse_size,
         lambda _h, _e: "4G",
         "device memory left free when serving",
+        _SIZE_TYPES,
     ),
     Setting(
         "serve.max_body_size",
@@ -177,6 +200,7 @@ SETTINGS: tuple[Setting, ...] = (
         parse_body_size,
         lambda _h, _e: "4M",
         "largest request body flare serve takes (413 past it)",
+        _SIZE_TYPES,
     ),
     Setting(
         "serve.body_timeout",
@@ -184,6 +208,7 @@ SETTINGS: tuple[Setting, ...] = (
         parse_timeout,
         lambda _h, _e: "30s",
         "time a request body may take to arrive at flare serve (408 past it)",
+        _DURATION_TYPES,
     ),
     Setting(
         "serve.stall_timeout",
@@ -191,6 +216,7 @@ SETTINGS: tuple[Setting, ...] = (
         parse_timeout,
         lambda _h, _e: "60s",
         "time flare serve's engine may have work and finish no step (/health 503 past it)",
+        _DURATION_TYPES,
     ),
     Setting(
         "store.encoding",
@@ -205,11 +231,12 @@ SETTINGS: tuple[Setting, ...] = (
         _level,
         lambda _h, _e: 3,
         "zstd level for new blobs when encoding is zstd",
+        (int, str),
     ),
     Setting(
         "signing.key",
         "FLARE_SIGNING_KEY",
-        _optional_path,
+        _key_path,
         lambda _h, _e: "",
         "private key builds are signed with; empty: builds are unsigned",
     ),
@@ -310,6 +337,54 @@ def read_file(path: Path, required: bool) -> dict[str, Any]:
     return flat
 
 
+_PATH_PARSERS = (_path, normalize_location, _optional_path, _key_path)
+"""Parsers whose value, written relative in the file, is relative to the file's folder."""
+
+_TOML_TYPES: tuple[tuple[type, str], ...] = (
+    (bool, "a boolean"),  # before int: a TOML boolean is a Python int too
+    (str, "a string"),
+    (int, "an integer"),
+    (float, "a float"),
+    (list, "an array"),
+    (dict, "a table"),
+    (datetime.datetime, "a date-time"),  # before date: a datetime is a date too
+    (datetime.date, "a date"),
+    (datetime.time, "a time"),
+)
+
+
+def _toml_type(kind: type) -> str:
+    """What TOML calls a type tomllib gives values of."""
+    return next((name for known, name in _TOML_TYPES if issubclass(kind, known)), kind.__name__)
+
+
+def _shown(raw: Any) -> str:
+    """A raw value as the error shows it: as written in TOML for a boolean, else its repr."""
+    return ("true" if raw else "false") if isinstance(raw, bool) else repr(raw)
+
+
+def _check_raw(setting: Setting, raw: Any, source: str) -> None:
+    """Refuse a value from the file or the environment of a TOML type the setting does not
+    take, and a string with a NUL byte (no path, URL or name holds one), before it is parsed:
+    parsers call str() and int() on what they get, which would take nearly anything."""
+    taken = isinstance(raw, setting.takes) and not (
+        isinstance(raw, bool) and bool not in setting.takes
+    )
+    if not taken:
+        *others, last = [_toml_type(kind) for kind in setting.takes]
+        takes = f"{', '.join(others)} or {last}" if others else last
+        raise InvalidInputError(
+            f"bad value {_shown(raw)} for {setting.key} in {source}: "
+            f"{_toml_type(type(raw))}, where {setting.key} takes {takes}",
+            "see docs/config.md",
+        )
+    if isinstance(raw, str) and "\0" in raw:
+        raise InvalidInputError(
+            f"bad value {raw!r} for {setting.key} in {source}: it holds a NUL byte",
+            "remove the \\u0000 escape",
+        )
+
+
 def _parse(setting: Setting, raw: Any, source: str) -> Value:
     try:
         return Value(setting.parse(raw), source)
@@ -326,13 +401,15 @@ def load_config(env: Mapping[str, str] | None = None) -> Config:
     values = {}
     for setting in SETTINGS:
         if setting.env in env:
-            values[setting.key] = _parse(setting, env[setting.env], f"env {setting.env}")
+            source = f"env {setting.env}"
+            _check_raw(setting, env[setting.env], source)
+            values[setting.key] = _parse(setting, env[setting.env], source)
         elif setting.key in from_file:
-            raw = from_file[setting.key]
-            relative = setting.parse in (_path, normalize_location, _optional_path) and str(raw)
-            if relative and "://" not in str(raw):
-                raw = str(path.parent / Path(str(raw)).expanduser())
-            values[setting.key] = _parse(setting, raw, f"file {path}")
+            raw, source = from_file[setting.key], f"file {path}"
+            _check_raw(setting, raw, source)
+            if setting.parse in _PATH_PARSERS and raw and "://" not in raw:
+                raw = str(path.parent / Path(raw).expanduser())
+            values[setting.key] = _parse(setting, raw, source)
         else:
             source = (
                 "default (Hugging Face cache)" if setting.key == "paths.hub_cache" else "default"

@@ -134,6 +134,10 @@ def load_private_key(path: Path, signing: bool = True) -> PrivateKey:
         raise NotFoundError(
             f"no signing key at {path}", "run flare key generate --publisher NAME"
         ) from None
+    except IsADirectoryError:
+        raise InvalidInputError(
+            f"{path} is a folder, not a key file", "pass the PEM file flare key generate wrote"
+        ) from None
     except OSError as exc:
         raise from_os_error(exc, "read the key", path) from exc
     try:

@@ -140,3 +140,14 @@ def test_key_ls_lists_a_key_open_to_others_and_warns(run_flare: RunFlare) -> Non
     assert json.loads(done.stdout) == listed
     warning = f"warning: the signing key {key} is readable by its group and others (mode 0644)"
     assert warning in done.stderr
+
+
+def test_a_folder_given_as_the_key_is_refused_as_such(run_flare: RunFlare, tmp_path: Path) -> None:
+    assert (
+        run_flare("build", str(tiny_source(tmp_path / "src", 0)), "--name", "alpha").returncode == 0
+    )
+    done = run_flare("sign", "alpha", "--key", str(tmp_path), "--publisher", "bob")
+    assert done.returncode == 4, done.stderr
+    assert one_line_error(done) == (
+        f"error: {tmp_path} is a folder, not a key file; pass the PEM file flare key generate wrote"
+    )

@@ -2,15 +2,20 @@
 
 Object stores have no rename that is atomic and no locks, so a blob is written under tmp/ and
 moved into place once complete; abandoned temp files are recognised by age alone.
+
+Object stores have no folders either, but other filesystems fsspec reaches (local://, sftp://,
+smb://) do, and write nothing into a folder that is not there: a write or move to a key whose
+folder is missing makes the folder and tries once more, so an object store pays nothing for it.
 """
 
 from __future__ import annotations
 
+import errno
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import fsspec
 
@@ -18,6 +23,8 @@ from flare.atomic import temp_name
 from flare.errors import FlareError, InvalidInputError, from_os_error
 from flare.extras import install_hint
 from flare.store.backends.base import TMP_DIR, StoredFile, TempFile
+
+_T = TypeVar("_T")
 
 
 class FsspecBackend:
@@ -45,6 +52,19 @@ class FsspecBackend:
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}"
+
+    def _into(self, key: str, write: Callable[[], _T]) -> _T:
+        """Run `write`, which puts a file at key; if key's folder is missing (a filesystem with
+        real folders), make it and run `write` once more. On an object store the first try
+        succeeds, so this costs no request there."""
+        try:
+            return write()
+        except OSError as exc:
+            if not _is_missing(exc):
+                raise
+        parent = self._path(key).rsplit("/", 1)[0]
+        self.fs.makedirs(parent, exist_ok=True)
+        return write()
 
     def ensure(self, *folders: str) -> None:
         try:
@@ -75,7 +95,8 @@ class FsspecBackend:
     def create_temp(self) -> TempFile:
         key = f"{TMP_DIR}/{temp_name()}"
         try:
-            return TempFile(key=key, file=self.fs.open(self._path(key), "wb"))
+            file = self._into(key, lambda: self.fs.open(self._path(key), "wb"))
+            return TempFile(key=key, file=file)
         except OSError as exc:
             raise from_os_error(exc, "create a temporary file in", self.location) from exc
 
@@ -88,7 +109,7 @@ class FsspecBackend:
             if self.fs.exists(self._path(key)):
                 self.remove(temp.key)
                 return False
-            self.fs.mv(self._path(temp.key), self._path(key))
+            self._into(key, lambda: self.fs.mv(self._path(temp.key), self._path(key)))
         except OSError as exc:
             self.remove(temp.key)
             raise from_os_error(exc, "publish a blob at", self._path(key)) from exc
@@ -112,7 +133,7 @@ class FsspecBackend:
 
     def move(self, key: str, new_key: str) -> None:
         try:
-            self.fs.mv(self._path(key), self._path(new_key))
+            self._into(new_key, lambda: self.fs.mv(self._path(key), self._path(new_key)))
         except OSError as exc:
             raise from_os_error(exc, "move", self._path(key)) from exc
 
@@ -148,7 +169,8 @@ class FsspecBackend:
 
     def write_atomic(self, key: str, data: bytes) -> None:
         try:
-            self.fs.pipe_file(self._path(key), data)  # object stores replace objects whole
+            # object stores replace objects whole
+            self._into(key, lambda: self.fs.pipe_file(self._path(key), data))
         except OSError as exc:
             raise from_os_error(exc, "write", self._path(key)) from exc
 
@@ -193,6 +215,13 @@ class FsspecBackend:
 
     def free_bytes(self) -> int | None:
         return None
+
+
+def _is_missing(exc: OSError) -> bool:
+    """Whether an error says a path (here: a folder on the way to a key) does not exist; some
+    clients (smbprotocol's) raise an OSError subclass that carries ENOENT without being a
+    FileNotFoundError."""
+    return isinstance(exc, FileNotFoundError) or exc.errno == errno.ENOENT
 
 
 def _modified(info: dict[str, Any]) -> float | None:
