@@ -642,8 +642,13 @@ class BlobStore:
         network filesystem, whose clients may not keep a map coherent) by reading it."""
         key = blob_key(info.digest, info.encoding)
         local = self.backend.local_path(key)
-        if local is not None and local.is_dir():
-            return False  # a folder where the blob should be holds none of its bytes
+        if local is not None:
+            try:
+                kind = os.stat(local).st_mode
+            except FileNotFoundError:
+                return True  # moved or collected meanwhile: nothing here to call corrupt
+            if not S_ISREG(kind):  # a folder, a FIFO (whose open would block): none of its bytes
+                return False
         try:
             mapped = not (uncached or self.backend.network) and info.encoding is Encoding.PLAIN
             if local is not None and mapped:

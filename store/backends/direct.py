@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import BinaryIO
 
+from flare.store.backends.regular import open_fd, open_file
+
 WRITEBACK_EVERY = 64 << 20
 """Buffered writes: bytes written between requests to start writing them to disk."""
 ALIGN = 4096
@@ -212,9 +214,10 @@ class DirectReader(io.RawIOBase):
 def open_uncached(path: Path) -> BinaryIO:
     """A reader of the file's bytes as stored, not as this host's cache remembers them: a
     fresh open with O_DIRECT where the filesystem takes it (local disks, NFS, FUSE), else a
-    fresh open after dropping the file's cached pages (posix_fadvise DONTNEED)."""
+    fresh open after dropping the file's cached pages (posix_fadvise DONTNEED). What is no
+    regular file is refused without being read (store/backends/regular.py)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        fd = open_fd(path, os.O_RDONLY | os.O_DIRECT)
     except OSError as exc:
         if exc.errno != errno.EINVAL:  # tmpfs and some filesystems refuse O_DIRECT
             raise
@@ -227,6 +230,6 @@ def open_uncached(path: Path) -> BinaryIO:
             reader.close()
             if exc.errno != errno.EINVAL:
                 raise
-    handle = open(path, "rb", buffering=0)  # noqa: SIM115 (returned to the caller)
+    handle = open_file(path, buffering=0)
     os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     return handle  # type: ignore[return-value]

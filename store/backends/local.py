@@ -1,4 +1,9 @@
-"""A store on a local path (a NAS mount is a local path): fsync, rename, read-only blobs."""
+"""A store on a local path (a NAS mount is a local path): fsync, rename, read-only blobs.
+
+Every file is opened through store/backends/regular.py: a FIFO, socket or device where a blob
+(or a ref, lease or temp file) belongs is never opened for reading, so it neither blocks a
+command nor gets read; it counts as a damaged blob (verify quarantines it, a writer replaces it).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from flare.store.backends.base import TMP_DIR, StoredFile, TempFile
 from flare.store.backends.direct import BlobFile, open_uncached
 from flare.store.backends.filesystems import on_network_filesystem
 from flare.store.backends.linking import hardlink, reflink
+from flare.store.backends.regular import NotAFileError, open_fd, open_file
 from flare.store.hashing import default_workers
 
 _RENAME_NOREPLACE = 1
@@ -124,7 +130,7 @@ class LocalBackend:
 
     def open_read(self, key: str) -> BinaryIO:
         try:
-            return open(self._path(key), "rb")
+            return open_file(self._path(key))
         except OSError as exc:
             raise from_os_error(exc, "read", self._path(key)) from exc
 
@@ -145,23 +151,34 @@ class LocalBackend:
         return TempFile(key=f"{TMP_DIR}/{path.name}", file=BlobFile(fd, path), path=path)
 
     def link_temp(self, source: Path) -> tuple[TempFile, str] | None:
-        temp = self.create_temp()
-        assert temp.path is not None
         try:
-            with open(source, "rb") as src:
+            src = open_file(source)
+        except OSError as exc:
+            raise from_os_error(exc, "link", source) from exc
+        with src:
+            temp = self.create_temp()
+            assert temp.path is not None
+            try:
                 if reflink(src.fileno(), temp.file.fileno()):
                     return temp, "reflink"
-            self.discard(temp)
+            except OSError as exc:
+                self.discard(temp)
+                raise from_os_error(exc, "link", source) from exc
+        self.discard(temp)
+        try:
             return self._hardlink_temp(source)
         except OSError as exc:
-            self.discard(temp)
             raise from_os_error(exc, "link", source) from exc
 
     def _hardlink_temp(self, source: Path) -> tuple[TempFile, str] | None:
         path = self.root / TMP_DIR / temp_name()
         if not hardlink(source, path):
             return None
-        handle = open(path, "rb", buffering=0)  # noqa: SIM115 (returned, closed by commit)
+        try:  # the source's inode: a FIFO swapped in for the source is refused, not read
+            handle = open_file(path, buffering=0)  # returned, closed by commit
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         if not _same_file(path, handle.fileno()):  # a sweeper took it before we locked it
             handle.close()
@@ -281,8 +298,11 @@ class LocalBackend:
         return removed
 
     def read(self, key: str) -> bytes | None:
+        """The bytes of the file at key; None if there is none. A folder raises (the cause an
+        IsADirectoryError, as reading one would), and a special file NotAFileError."""
         try:
-            return self._path(key).read_bytes()
+            with open_file(self._path(key)) as handle:
+                return handle.read()
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -335,9 +355,12 @@ class LocalBackend:
     def touch(self, key: str) -> bool:
         """Through a fresh open (a network client's cached attributes may list a file another
         host removed); setting the time is best effort: another user's blob cannot be touched
-        (leases protect it instead)."""
+        (leases protect it instead). A special file there (a FIFO, a device) is there, but is
+        neither opened nor touched: a writer finds it holds no blob, and replaces it."""
         try:
-            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_fd(self._path(key), folders=True)
+        except NotAFileError:
+            return True
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -351,9 +374,12 @@ class LocalBackend:
 
     def exists(self, key: str) -> bool:
         """Asked by opening the file: a fresh answer from the server of a network filesystem
-        (sshfs and NFS check on open), where a stat may answer from the client's cache."""
+        (sshfs and NFS check on open), where a stat may answer from the client's cache. A
+        folder or a special file there (not opened) is there too: what holds a key's name."""
         try:
-            os.close(os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC))
+            os.close(open_fd(self._path(key), folders=True))
+        except NotAFileError:
+            return True
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -382,9 +408,9 @@ def _is_abandoned(entry: os.DirEntry[str], cutoff: float) -> bool:
     try:
         if entry.stat(follow_symlinks=False).st_mtime > cutoff:
             return False
-        fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
+        fd = open_fd(entry.path)
+    except (OSError, NotAFileError):
+        return False  # unreadable, or no temp file of ours (a folder, a FIFO): left alone
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
