@@ -20,7 +20,7 @@ from stat import S_ISREG
 from typing import BinaryIO
 
 from flare.atomic import fsync_dir, host_name, temp_name, write_file_atomic
-from flare.errors import FlareError, from_os_error
+from flare.errors import FlareError, IntegrityError, from_os_error
 from flare.store.backends.base import TMP_DIR, StoredFile, TempFile
 from flare.store.backends.direct import BlobFile, open_uncached
 from flare.store.backends.filesystems import on_network_filesystem
@@ -105,12 +105,32 @@ class LocalBackend:
         self.sweep_processes = min(MAX_SWEEP_PROCESSES, default_workers())
 
     def _path(self, key: str) -> Path:
-        return self.root / key
+        """Where a key's file is, once no folder on the way there is a link (`_folder`)."""
+        folder, _, name = key.rpartition("/")
+        return self._folder(folder) / name if folder else self.root / key
+
+    def _folder(self, folder: str) -> Path:
+        """A folder of the store, refused if it or a folder above it (below the root) is a
+        link: a store's own folders never are, and anyone who may write to a shared registry
+        could make `tmp/` or `refs/NAME` a link to a folder of another user's, whose files
+        that user's gc would then sweep, or a tag write or remove (IntegrityError, exit 6)."""
+        path = self.root
+        for part in folder.split("/"):
+            path = path / part
+            if path.is_symlink():
+                raise IntegrityError(
+                    f"{path} is a link to {os.readlink(path)}: a registry's own folders are "
+                    "never links, and flare writes and removes nothing through one",
+                    "replace the link with a folder (another user's hand?), then run flare "
+                    "registry verify",
+                )
+        return path
 
     def ensure(self, *folders: str) -> None:
         try:
             for folder in (TMP_DIR, *folders):
-                (self.root / folder).mkdir(parents=True, exist_ok=True)
+                self._folder(folder).mkdir(parents=True, exist_ok=True)
+                self._folder(folder)  # made meanwhile as a link: refused all the same
         except OSError as exc:
             raise from_os_error(exc, "create the store at", self.root) from exc
 
@@ -141,7 +161,7 @@ class LocalBackend:
             raise from_os_error(exc, "read", self._path(key)) from exc
 
     def create_temp(self) -> TempFile:
-        path = self.root / TMP_DIR / temp_name()
+        path = self._folder(TMP_DIR) / temp_name()
         try:
             # read too: a spliced blob is hashed from its own pages (store/splice.py)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -171,7 +191,7 @@ class LocalBackend:
             raise from_os_error(exc, "link", source) from exc
 
     def _hardlink_temp(self, source: Path) -> tuple[TempFile, str] | None:
-        path = self.root / TMP_DIR / temp_name()
+        path = self._folder(TMP_DIR) / temp_name()
         if not hardlink(source, path):
             return None
         try:  # the source's inode: a FIFO swapped in for the source is refused, not read
@@ -225,11 +245,10 @@ class LocalBackend:
     def iter_names(self, prefix: str) -> Iterator[str]:
         """Folders are told from files by the directory entry's type: no stat per file."""
         folders = [prefix.strip("/")]
-        root = str(self.root)
         while folders:
             folder = folders.pop()
             try:
-                entries = list(os.scandir(f"{root}/{folder}"))
+                entries = list(os.scandir(self._folder(folder)))
             except (FileNotFoundError, NotADirectoryError):
                 continue
             for entry in entries:
@@ -285,7 +304,7 @@ class LocalBackend:
         is FOREIGN_STALE_S old, as on an object store."""
         removed = []
         try:
-            entries = list(os.scandir(self.root / TMP_DIR))
+            entries = list(os.scandir(self._folder(TMP_DIR)))
         except FileNotFoundError:
             return removed
         now, mine = time.time(), f"{host_name()}."
@@ -325,7 +344,7 @@ class LocalBackend:
         per skipped name); then a stat relative to the open folder for each name left (no
         path walk per file). A name removed meanwhile is left out."""
         try:
-            fd = os.open(f"{self.root}/{prefix}", os.O_RDONLY | os.O_DIRECTORY)
+            fd = os.open(self._folder(prefix.strip("/")), os.O_RDONLY | os.O_DIRECTORY)
         except (FileNotFoundError, NotADirectoryError):
             return 0, []
         found = []
@@ -347,7 +366,7 @@ class LocalBackend:
 
     def stat(self, key: str) -> tuple[int, float] | None:
         try:
-            st = os.stat(f"{self.root}/{key}")
+            st = os.stat(self._path(key))
         except FileNotFoundError:
             return None
         return st.st_size, st.st_mtime
