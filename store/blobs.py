@@ -350,7 +350,10 @@ class BlobStore:
         clone holds the hashed bytes. A hardlink is the source's own inode: it is hashed as is.
         """
         self._prepare_writes()
-        before = FileState.of(os.stat(path))
+        try:
+            before = FileState.of(os.stat(path))
+        except OSError as exc:  # gone meanwhile (a registry unmounted mid-copy): said so
+            raise from_os_error(exc, "read", path) from exc
         linked = self.backend.link_temp(path)
         if linked is None:
             return None
