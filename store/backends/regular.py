@@ -2,10 +2,10 @@
 
 Anyone who may write to a shared registry (or a broken NAS sync) can leave a FIFO, a socket or
 a device node where a blob, ref or lease file belongs. A plain open(2) of a FIFO blocks until
-a writer comes, which may be never, and opening a device runs its driver's open (a tape
-rewinds, a watchdog arms). So a store's file is looked at first (a special file is refused
-without being opened), then opened with O_NONBLOCK (a FIFO swapped in meanwhile does not
-block the open) and checked once more through its descriptor before a byte is read.
+a writer comes, which may be never. So a store's file is opened with O_NONBLOCK (a FIFO's
+open returns at once) and O_NOCTTY, and checked through its descriptor before a byte is read:
+a special file is refused unread. (A device node's open still runs its driver's open; making
+one needs root.)
 """
 
 from __future__ import annotations
@@ -50,25 +50,19 @@ def is_special(mode: int) -> bool:
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
-def special_at(path: str | Path) -> int | None:
-    """The mode of a special file at `path`; None for a file, a folder or nothing (or a
-    stat that fails: the open that follows gives the authoritative answer)."""
-    try:
-        mode = os.stat(path).st_mode
-    except (OSError, ValueError):
-        return None
-    return mode if is_special(mode) else None
-
-
 def open_fd(path: str | Path, flags: int = os.O_RDONLY, folders: bool = False) -> int:
     """A descriptor on the regular file at `path` (or, with `folders`, on a folder there),
     opened with `flags` and O_CLOEXEC. A folder otherwise raises IsADirectoryError, as
     open(2) for reading does; a special file raises NotAFileError without being read, and a
-    missing one the open's FileNotFoundError."""
-    mode = special_at(path)
-    if mode is not None:
-        raise NotAFileError(path, mode)
-    fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    missing one the open's FileNotFoundError. No stat comes before the open: on sshfs a stat
+    answers from the client's cache, whose stale size then cut a file another host had just
+    rewritten longer (a ref record read half)."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a socket (no open(2) takes one)
+            raise NotAFileError(path, os.stat(path).st_mode) from exc
+        raise
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode) and not folders:
