@@ -88,6 +88,25 @@ def flare(env: dict[str, str], *args: str, check: bool = True) -> subprocess.Com
     return done
 
 
+def answered(
+    env: dict[str, str], *args: str, timeout: int = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run the real command: it must answer within `timeout` (a hang fails the test, it does
+    not block the suite) and print no traceback; its exit code is the caller's to check."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "flare", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"flare {' '.join(args)} hung (no answer in {timeout} s)")
+    assert "Traceback" not in done.stderr and "internal error" not in done.stderr, done.stderr
+    return done
+
+
 def start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     """Start the flare command and return at once (to kill it, or to run beside it)."""
     return subprocess.Popen(

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from registry_helpers import answered as run_answered
 from registry_helpers import lab_env, tiny_sources
 
 from flare.registry.leases import BadLease, Lease, hold_lease, parse_lease
@@ -83,18 +83,8 @@ def host(tmp_path: Path, sources: Path) -> Iterator[dict[str, str]]:
 def answered(
     env: dict[str, str], *args: str, timeout: int = ANSWER_S
 ) -> subprocess.CompletedProcess[str]:
-    """Run the real command: it must answer, exit 0, and print no traceback."""
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "flare", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"flare {' '.join(args)} hung (no answer in {timeout} s)")
-    assert "Traceback" not in done.stderr and "internal error" not in done.stderr, done.stderr
+    """The real command: it must answer, exit 0, and print no traceback."""
+    done = run_answered(env, *args, timeout=timeout)
     assert done.returncode == 0, (args, done.stderr)
     return done
 

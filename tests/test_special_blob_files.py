@@ -11,7 +11,6 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from blake3 import blake3
+from registry_helpers import answered as run_answered
 from registry_helpers import lab_env, tiny_sources
 
 from flare.errors import IntegrityError
@@ -155,19 +155,8 @@ def host(tmp_path: Path, sources: Path) -> Iterator[dict[str, str]]:
 def answered(
     env: dict[str, str], *args: str, timeout: int = ANSWER_S
 ) -> subprocess.CompletedProcess[str]:
-    """Run the real command; it must answer within `timeout` (a hang fails the test)."""
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "flare", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"flare {' '.join(args)} hung (no answer in {timeout} s)")
-    assert "Traceback" not in done.stderr and "internal error" not in done.stderr, done.stderr
-    return done
+    """The real command, within this file's time to answer."""
+    return run_answered(env, *args, timeout=timeout)
 
 
 def payload(env: dict[str, str]) -> tuple[Digest, Path]:
